@@ -1,0 +1,200 @@
+"""The ``localrl`` command: parse, validate, call the library. Nothing here a user could not call from Python.
+
+    localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
+    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
+    localrl models build NAME | localrl models list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from localrl.config import FIELDS, build_config
+from localrl.errors import UserError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) -> None:
+    """One ``--field-name`` flag per config field; booleans also get ``--no-field-name``."""
+    for name, f in FIELDS.items():
+        if only is not None and name not in only:
+            continue
+        flags = ["--" + name.replace("_", "-")] + (["--4bit"] if name == "load_in_4bit" else [])
+        kind = type(f.default)
+        if kind is bool:
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f.metadata["help"])
+        else:
+            parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                                help=f"{f.metadata['help']} (default: {f.default!r})")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k in FIELDS}
+
+
+class ProgressBar:
+    """A rich progress bar fed by metrics records: step, reward, accuracy, ETA."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), transient=False)
+        self.task = self.progress.add_task("train", total=total, stats="")
+        self.total = total
+
+    def __call__(self, record: dict) -> None:
+        if record.get("kind") == "eval":
+            self.progress.console.print(f"eval {record['when']}: {_eval_line(record)}")
+            return
+        if not self.progress.live.is_started:
+            self.progress.start()
+            self.progress.update(self.task, completed=record["step"] - 1)
+            self.progress.reset(self.task, completed=record["step"] - 1)
+        kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
+        stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
+        self.progress.update(self.task, completed=record["step"], stats=stats)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def _eval_line(r: dict) -> str:
+    return f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from localrl.trainer import resume_config, train
+
+    if args.resume:
+        cfg = resume_config(args.resume, _overrides(args))
+    else:
+        cfg = build_config(args.config, _overrides(args))
+    bar = ProgressBar(cfg.steps)
+    try:
+        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.progress.console.print)
+    finally:
+        bar.close()
+    print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
+    before, after = result.eval_before, result.eval_after
+    if before and after:
+        delta = 100 * (after["accuracy"] - before["accuracy"])
+        print(f"held-out accuracy ({after['n']} problems, greedy pass@1): "
+              f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+    return 130 if result.interrupted else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from localrl.evaluate import evaluate
+    from localrl.modeling import load_adapter, load_base, load_config, load_tokenizer, pick_device
+    from localrl.tasks import load_task
+    from localrl.trainer import default_rewards, resume_config
+
+    if args.run:
+        from localrl.checkpoint import latest_checkpoint
+
+        cfg = resume_config(args.run, _overrides(args))
+        ckpt = latest_checkpoint(Path(args.run))
+        if ckpt is None:
+            raise UserError(f"run {args.run}: has no checkpoint to evaluate")
+    else:
+        cfg, ckpt = build_config(None, _overrides(args)), None
+    rewards, weights = default_rewards(cfg)
+    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size)
+    if not task.held_out:
+        raise UserError(f"data {cfg.data}: no held-out rows to evaluate on")
+    device = pick_device(cfg.device)
+    if ckpt is not None:
+        model, tok = load_adapter(cfg.model, ckpt, cfg.load_in_4bit, device)
+    else:
+        path, _ = load_config(cfg.model)
+        model, tok = load_base(path, cfg.load_in_4bit, device), load_tokenizer(path)
+    result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size)
+    what = f"{args.run} ({ckpt.name})" if ckpt else cfg.model
+    print(json.dumps({"model": what, **result}) if args.json else f"{what}: {_eval_line(result)}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from models import ROOT, builtin_names
+
+    if args.action == "list":
+        for name in builtin_names():
+            built = (ROOT / name / "config.json").is_file()
+            print(f"{name}\t{ROOT / name}\t{'built' if built else 'not built'}")
+        return 0
+    from dataclasses import replace
+
+    from models.recipe import RECIPES, pretrain
+
+    if args.name not in RECIPES:
+        raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
+    recipe = RECIPES[args.name]
+    if args.seed is not None:
+        recipe = replace(recipe, seed=args.seed)
+    if args.steps is not None:
+        recipe = replace(recipe, steps=args.steps)
+    out = Path(args.out) if args.out else ROOT / args.name
+    t0 = time.time()
+    pretrain(out, recipe)
+    print(f"wrote {out} in {time.time() - t0:.0f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)")
+    p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter")
+    p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    _add_config_flags(p, ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward",
+                          "format_weight", "max_new_tokens", "load_in_4bit", "device"])
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("models", help="built-in tiny models")
+    p.add_argument("action", choices=["build", "list"])
+    p.add_argument("name", nargs="?", default="tiny-arith", help="built-in model name")
+    p.add_argument("--out", help="output directory (default: the built-in location)")
+    p.add_argument("--seed", type=int, help="override the recipe's seed")
+    p.add_argument("--steps", type=int, help="override the recipe's pretraining steps")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # optional-kernel notices on every import
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return args.func(args)
+    except UserError as e:
+        print(f"localrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

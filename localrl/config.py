@@ -1,0 +1,162 @@
+"""The run configuration: one dataclass, a TOML file, and ``--key value`` overrides.
+
+Precedence: field defaults < ``--config FILE.toml`` < command-line flags. Every field has
+a default and a one-line help (the ``help`` metadata, also shown by ``localrl train -h``).
+``validate()`` rejects impossible settings before any model is loaded, naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrl.errors import UserError
+
+BUILTIN_TASK = "arith"
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, or hub id")
+    data: str = _f(BUILTIN_TASK, "built-in task name ('arith') or a JSONL file of {prompt, answer, ...} rows")
+    eval_data: str = _f("", "JSONL file of held-out rows; empty: the task's own held-out split")
+    reward: str = _f("numeric", "correctness reward: numeric, exact, regex, format, or package.module:function")
+    format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
+    # model and adapter
+    load_in_4bit: bool = _f(True, "load the base weights in 4-bit NF4 (bitsandbytes); --no-4bit for full precision")
+    lora_rank: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / rank)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
+    lora_targets: str = _f("all-linear", "comma-separated module names to adapt, or 'all-linear'")
+    unsloth: bool = _f(False, "load through Unsloth's CUDA fast path (needs the 'unsloth' extra and a GPU)")
+    # GRPO
+    steps: int = _f(40, "optimizer steps (each on a fresh batch of prompts)")
+    prompts_per_step: int = _f(16, "prompts per step; each gets group_size completions")
+    group_size: int = _f(8, "completions sampled per prompt (G)")
+    max_new_tokens: int = _f(64, "longest completion, in tokens")
+    temperature: float = _f(1.0, "sampling temperature for rollouts")
+    num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
+    epsilon: float = _f(0.2, "clipping range of the policy ratio")
+    beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
+    lr: float = _f(2e-3, "AdamW learning rate of the adapter")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient norm clip (0 disables it)")
+    micro_batch_size: int = _f(0, "completions per forward/backward chunk (0: all at once)")
+    # evaluation, checkpoints, run
+    eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
+    eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")
+    save_every: int = _f(10, "checkpoint every N steps (and always at the end or on Ctrl-C)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk (older ones are deleted)")
+    seed: int = _f(0, "seed of data order, sampling and initialisation")
+    run_dir: str = _f("", "run directory; empty: runs/<date>-<time>")
+    device: str = _f("auto", "auto, cpu or cuda")
+    threads: int = _f(0, "CPU threads for torch (0: all cores)")
+
+    def validate(self) -> "TrainConfig":
+        """Raise UserError naming the first impossible setting; returns self."""
+        checks = [
+            ("group_size", self.group_size >= 2, "must be at least 2 (advantages compare completions within a group)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
+            ("steps", self.steps >= 1, "must be at least 1"),
+            ("prompts_per_step", self.prompts_per_step >= 1, "must be at least 1"),
+            ("temperature", self.temperature > 0, "must be positive (rollouts are sampled)"),
+            ("num_iterations", self.num_iterations >= 1, "must be at least 1"),
+            ("epsilon", 0 < self.epsilon < 1, "must be in (0, 1)"),
+            ("beta", self.beta >= 0, "must be non-negative"),
+            ("lr", self.lr > 0, "must be positive"),
+            ("weight_decay", self.weight_decay >= 0, "must be non-negative"),
+            ("max_grad_norm", self.max_grad_norm >= 0, "must be non-negative"),
+            ("micro_batch_size", self.micro_batch_size >= 0, "must be non-negative"),
+            ("lora_rank", self.lora_rank >= 1, "must be at least 1"),
+            ("lora_alpha", self.lora_alpha >= 1, "must be at least 1"),
+            ("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
+            ("format_weight", self.format_weight >= 0, "must be non-negative"),
+            ("eval_size", self.eval_size >= 0, "must be non-negative"),
+            ("eval_batch_size", self.eval_batch_size >= 1, "must be at least 1"),
+            ("save_every", self.save_every >= 1, "must be at least 1"),
+            ("keep_checkpoints", self.keep_checkpoints >= 1, "must be at least 1"),
+            ("threads", self.threads >= 0, "must be non-negative"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+            ("model", bool(self.model.strip()), "must not be empty"),
+            ("data", bool(self.data.strip()), "must not be empty"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def coerce(name: str, value: Any, where: str = "") -> Any:
+    """Convert ``value`` (a TOML value or a command-line string) to the type of field ``name``."""
+    if name not in FIELDS:
+        raise UserError(f"{where}unknown config field {name!r}")
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif kind is str and isinstance(value, str):
+        return value
+    elif isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise UserError(f"{where}config field {name}: expected {kind.__name__}, got {value!r}")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Field values from a TOML file (top level, or a [train] table), type-checked."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {p}: not found")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {p}: invalid TOML ({e})") from None
+    raw = raw.get("train", raw)
+    return {k: coerce(k, v, f"{p}: ") for k, v in raw.items()}
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then overrides; validated."""
+    values: dict[str, Any] = {}
+    if file:
+        values.update(load_toml(file))
+    for k, v in (overrides or {}).items():
+        values[k] = coerce(k, v)
+    return TrainConfig(**values).validate()
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML, one commented line per field."""
+    lines = ["# localrl resolved run config", "[train]"]
+    for name, f in FIELDS.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            text = repr(value)
+        lines.append(f"{name} = {text}  # {f.metadata['help']}")
+    return "\n".join(lines) + "\n"

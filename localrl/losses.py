@@ -1,0 +1,73 @@
+"""GRPO math: group-relative advantages, masked means, the clipped policy loss and the KL penalty.
+
+Pure tensor functions with no model in sight, so each is tested against hand-computed values.
+Conventions follow the GRPO paper (DeepSeekMath) and TRL's ``loss_type="grpo"``:
+- advantages are standardised within each prompt's group: (r - mean) / (std + eps),
+  with the unbiased standard deviation;
+- the per-token loss is PPO's clipped surrogate, plus ``beta`` times the k3 KL estimator
+  against the reference (base) policy;
+- each completion's token losses are averaged over its own tokens, then the completions
+  are averaged (the original, length-normalised aggregation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADV_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+    """Advantage of each completion relative to the other completions of its prompt.
+
+    ``rewards`` is [B*G] in prompt-major order; returns [B*G]. A group whose rewards are
+    all equal gets zero advantage (no signal), never a division by zero.
+    """
+    r = rewards.view(-1, group_size)  # [B, G]
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale:
+        adv = adv / (r.std(dim=1, keepdim=True) + ADV_EPS)
+    return adv.reshape(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (all of them, or along ``dim``)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token estimator of KL(policy || reference): exp(d) - d - 1 with d = ref - logp; >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon: float = 0.2,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped GRPO loss, summed over the rows given (divide by the total row count outside).
+
+    logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N].
+    Returns the sum over rows of each row's token-mean loss, so that micro-batches add up
+    exactly to the loss of the whole batch, and per-batch statistics.
+    """
+    ratio = torch.exp(logp - old_logp)  # [N, R]
+    adv = advantages[:, None]  # [N, 1]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon) * adv
+    per_token = -torch.minimum(unclipped, clipped)  # [N, R]
+    stats = {"clip_frac": masked_mean((clipped < unclipped).float(), mask).item()}  # clip active: no gradient
+    if ref_logp is not None and beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl, mask).item()
+    loss = masked_mean(per_token, mask, dim=1).sum()
+    return loss, stats

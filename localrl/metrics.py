@@ -1,0 +1,55 @@
+"""The metrics sink: the one narrow channel from training to everything that watches it.
+
+Each record is a flat dict; ``kind`` is "train" (one per optimizer step) or "eval". The
+sink appends it to ``metrics.jsonl`` (flushed per line, so ``tail -f``, the terminal UI
+or a plotting script can follow a live run) and calls in-process listeners, such as the
+CLI's progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+Listener = Callable[[dict], None]
+
+
+class MetricsSink:
+    def __init__(self, path: Path | None = None, listeners: list[Listener] | tuple = ()):
+        self.path = path
+        self.listeners = list(listeners)
+        self._file = path.open("a", encoding="utf-8") if path is not None else None
+
+    def emit(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        for listener in self.listeners:
+            listener(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All complete records of a metrics file (a torn last line from a crash is skipped)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def rewrite_metrics(path: Path, records: list[dict]) -> None:
+    """Replace a metrics file atomically (used on resume to drop steps after the checkpoint)."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,111 @@
+"""Verifiable rewards: plain callables ``(completions, **columns) -> list[float]``.
+
+``completions`` are the decoded completion strings; every other column of the dataset
+row (``answer`` and any extras) arrives as a keyword argument holding one value per
+completion. Add your own reward by writing such a function and naming it
+``package.module:function`` in the config, or by passing it to ``localrl.train``.
+
+The answer a model gives is the text inside its last ``<answer>...</answer>``; a
+completion without one gets no credit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Callable
+
+from localrl.errors import UserError
+
+RewardFn = Callable[..., list[float]]
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last ``<answer>`` tag, stripped; None if there is none."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def _to_number(text: str) -> float | None:
+    match = _NUMBER.search(text)
+    if match is None:
+        return None
+    try:
+        return float(match.group(0).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def numeric_match(completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the first number in the answer tag equals the reference number."""
+    out = []
+    for text, ref in zip(completions, answer):
+        given = extract_answer(text)
+        got, want = (_to_number(given) if given is not None else None), _to_number(str(ref))
+        out.append(float(got is not None and want is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)))
+    return out
+
+
+def exact_match(completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the answer tag's content equals the reference string (surrounding spaces ignored)."""
+    return [float(extract_answer(t) == str(ref).strip()) for t, ref in zip(completions, answer)]
+
+
+def regex_match(completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the answer tag's content fully matches the row's ``answer``, read as a regular expression."""
+    out = []
+    for text, pattern in zip(completions, answer):
+        given = extract_answer(text)
+        out.append(float(given is not None and re.fullmatch(str(pattern), given) is not None))
+    return out
+
+
+def format_reward(completions: list[str], **_) -> list[float]:
+    """1.0 where the completion is exactly ``<think>...</think><answer>...</answer>``."""
+    return [float(_FORMAT.match(t) is not None) for t in completions]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "numeric": numeric_match,
+    "exact": exact_match,
+    "regex": regex_match,
+    "format": format_reward,
+}
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A built-in reward by name, or a user function named ``package.module:function``."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"reward {spec!r}: cannot import it ({e})") from None
+        if not callable(fn):
+            raise UserError(f"reward {spec!r}: not a callable")
+        return fn
+    raise UserError(f"reward {spec!r}: unknown; use one of {', '.join(BUILTIN_REWARDS)} or package.module:function")
+
+
+def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:
+    """Each reward function's scores (one list per function), checked for length."""
+    all_scores = []
+    for fn in reward_fns:
+        scores = fn(completions, **columns)
+        if len(scores) != len(completions):
+            name = getattr(fn, "__name__", repr(fn))
+            raise ValueError(f"reward {name} returned {len(scores)} scores for {len(completions)} completions")
+        all_scores.append([float(s) for s in scores])
+    return all_scores
+
+
+def combine(scores: list[list[float]], weights: list[float]) -> list[float]:
+    """Weighted sum of the reward functions' scores, per completion."""
+    return [sum(w * s for w, s in zip(weights, col)) for col in zip(*scores)]

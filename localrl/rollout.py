@@ -1,0 +1,112 @@
+"""Grouped sampling: each prompt is prefilled once, then its G completions are decoded from that cache.
+
+A small, explicit decode loop instead of ``model.generate``: it prefills the left-padded
+prompts once, repeats the key/value cache G times per prompt, and samples with a
+caller-owned ``torch.Generator`` so that a run is reproducible step by step (and on
+resume). Temperature 0 means greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Rollout:
+    """Completions for ``B`` prompts x ``G`` samples, in prompt-major order (row = b * G + g)."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [B*G, R] right-padded
+    completion_mask: torch.Tensor  # [B*G, R] 1 on generated tokens up to and including the stop token
+    truncated: torch.Tensor  # [B*G] True where no stop token came before max_new_tokens
+    group_size: int
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack variable-length sequences with padding on the left; returns ids and mask."""
+    n = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
+@torch.no_grad()
+def sample_groups(
+    model,
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample ``group_size`` completions for every prompt (token-id lists)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P] real positions despite left padding
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    # One prefill per prompt; the group shares it from here on.
+    cache.batch_repeat_interleave(group_size)
+    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [N, V]
+    mask = mask.repeat_interleave(group_size, dim=0)
+    next_pos = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
+    n = logits.size(0)
+    stop = torch.tensor(stop_ids, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    tokens, live = [], []
+    for t in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        else:
+            tok = logits.argmax(-1)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        live.append(~done)
+        tokens.append(tok)
+        done = done | torch.isin(tok, stop)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                    cache=cache, use_cache=True)
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+    completion_ids = torch.stack(tokens, dim=1).cpu()
+    completion_mask = torch.stack(live, dim=1).long().cpu()
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, (~done).cpu(), group_size)
+
+
+def encode_prompts(tok, rows: list[dict]) -> list[list[int]]:
+    """Token ids of each row's prompt, through the chat template when the tokenizer has one."""
+    out = []
+    for row in rows:
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if tok.chat_template:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            out.append(tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            out.append(tok("\n".join(m["content"] for m in messages))["input_ids"])
+    return out
+
+
+def decode_completions(tok, rollout: Rollout) -> list[str]:
+    """Completion texts without padding or special tokens (reasoning tags are kept)."""
+    return [tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+
+def stop_token_ids(tok, model) -> list[int]:
+    """Tokens that end a completion: the tokenizer's eos and the model's generation eos ids."""
+    ids = {tok.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)

@@ -1,0 +1,51 @@
+"""Read a JSONL dataset of ``{"prompt": ..., "answer": ..., <extra columns>}`` rows, strictly.
+
+The whole file is checked before training starts; the first bad line stops the run with
+``file:line: what is wrong``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from localrl.errors import UserError
+
+
+def _check_prompt(prompt, where: str) -> None:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UserError(f"{where}: 'prompt' is empty")
+        return
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        return
+    raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"data {p}: no such file")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            for key in ("prompt", "answer"):
+                if key not in row:
+                    raise UserError(f"{where}: missing '{key}'")
+            _check_prompt(row["prompt"], where)
+            if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
+                raise UserError(f"{where}: 'answer' must be a string or a number")
+            rows.append(row)
+    if not rows:
+        raise UserError(f"data {p}: no rows (the file is empty)")
+    return rows

@@ -1,0 +1,181 @@
+"""Reproducible recipe for the built-in tiny reasoning model.
+
+``localrl models build tiny-arith`` writes a Hugging Face Llama model directory
+(config.json, tokenizer.json, model.safetensors, a chat template) pretrained from
+scratch on synthetic scratchpad traces of the built-in addition task.
+
+Deliberate choices:
+- Byte-level BPE with no merges: every byte is a token, plus a few special and added
+  tokens (ChatML turn markers, ``<think>``/``<answer>`` tags). Digits are single tokens,
+  and the vocabulary is a plain GPT-2-style BPE that llama.cpp reads.
+- The traces forget each carry with probability ``drop_carry`` (0.6), so the model learns
+  a systematic slip it makes more often than not: greedy decoding is right only on
+  problems without carries (about 40% of held-out problems), while sampling still finds
+  right answers often enough for GRPO to learn from.
+- Loss on the assistant turn only; the prompt is context.
+- Deterministic for a seed on one machine: one seeded generator for data and init,
+  a fixed thread count, no dropout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from localrl.tasks.arithmetic import sample_problems, worked_answer
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Recipe:
+    """Architecture and pretraining schedule of a built-in model."""
+
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    intermediate_size: int = 384
+    steps: int = 2400
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup: int = 100
+    drop_carry: float = 0.6
+    seed: int = 0
+    threads: int = 2
+
+
+RECIPES = {"tiny-arith": Recipe()}
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer (256 byte tokens, no merges) with ChatML and reasoning tags."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_chars.sort(key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # Ids 256.. in a fixed order: special turn markers, then the reasoning tags, which are
+    # ordinary added tokens (kept when decoding, like Qwen3's <think>).
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _byte_of(char: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode table, so token id i is byte i."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    code = ord(char)
+    if code in printable:
+        return code
+    return [b for b in range(256) if b not in printable][code - 256]
+
+
+def encode_example(tok, question: str, completion: str) -> tuple[list[int], list[int]]:
+    """Token ids of a full chat turn, and the loss mask (1 on the assistant's tokens)."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    c_ids = tok(completion + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
+
+
+def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [encode_example(tok, p.question, worked_answer(p, rng, recipe.drop_carry))
+            for p in sample_problems(rng, recipe.batch_size)]
+    n = max(len(ids) for ids, _ in rows)
+    pad = tok.pad_token_id
+    ids = torch.tensor([r + [pad] * (n - len(r)) for r, _ in rows])
+    mask = torch.tensor([m + [0] * (n - len(m)) for _, m in rows])
+    attn = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r, _ in rows])
+    return ids, mask, attn
+
+
+def pretrain(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
+    """Train the model from scratch and write it to ``out_dir`` atomically."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / recipe.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps)))
+    model.train()
+    t0 = time.time()
+    for step in range(recipe.steps):
+        ids, loss_mask, attn = _batch(tok, rng, recipe)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        target = ids[:, 1:]
+        m = loss_mask[:, 1:].float()
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
+        loss = (nll * m.reshape(-1)).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == recipe.steps - 1:
+            log(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - t0:6.0f}s")
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id, do_sample=False)
+    return _save_atomic(model, tok, recipe, Path(out_dir))
+
+
+def _save_atomic(model, tok, recipe: Recipe, out_dir: Path) -> Path:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

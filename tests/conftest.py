@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models of each supported family, built on the fly (no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+ARCH_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0) -> Path:
+    """A randomly initialised ~0.2M-parameter model of ``arch`` with the built-in byte tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from models.recipe import build_tokenizer
+
+    tok = build_tokenizer()
+    config = getattr(transformers, ARCH_CONFIGS[arch])(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    if arch == "qwen3":
+        config.head_dim = 16
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ARCH_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def builtin_model() -> Path:
+    from models import DEFAULT, builtin_path
+
+    path = builtin_path(DEFAULT)
+    assert (path / "config.json").is_file(), "the built-in model is not built: localrl models build tiny-arith"
+    return path

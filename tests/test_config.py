@@ -1,0 +1,52 @@
+"""Config: defaults, TOML, overrides, and validation that names the field."""
+
+import pytest
+
+from localrl.config import TrainConfig, build_config, load_toml, to_toml
+from localrl.errors import UserError
+
+
+def test_defaults_are_valid_and_documented():
+    cfg = TrainConfig().validate()
+    assert cfg.model == "tiny-arith" and cfg.data == "arith" and cfg.load_in_4bit
+    text = to_toml(cfg)
+    assert "group_size = 8  # completions sampled per prompt (G)" in text
+
+
+def test_toml_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\ngroup_size = 4\nlr = 1e-4\nmodel = "x/y"\nload_in_4bit = false\n')
+    cfg = build_config(f, {"group_size": "6", "beta": "0"})
+    assert (cfg.group_size, cfg.lr, cfg.model, cfg.load_in_4bit, cfg.beta) == (6, 1e-4, "x/y", False, 0.0)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = build_config(None, {"model": 'we"ird\\path', "steps": 7, "temperature": 0.7})
+    f = tmp_path / "r.toml"
+    f.write_text(to_toml(cfg))
+    assert build_config(f) == cfg
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("group_size", "1", "config field group_size: must be at least 2"),
+    ("max_new_tokens", "0", "config field max_new_tokens: must be at least 1"),
+    ("epsilon", "1.5", "config field epsilon"),
+    ("device", "tpu", "config field device"),
+    ("group_size", "eight", "config field group_size: expected int, got 'eight'"),
+    ("load_in_4bit", "maybe", "config field load_in_4bit: expected bool"),
+])
+def test_invalid_values_name_the_field(field, value, message):
+    with pytest.raises(UserError, match=message):
+        build_config(None, {field: value})
+
+
+def test_bad_toml_files(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("grop_size = 3\n")
+    with pytest.raises(UserError, match="unknown config field 'grop_size'"):
+        load_toml(f)
+    f.write_text("group_size = \n")
+    with pytest.raises(UserError, match="invalid TOML"):
+        load_toml(f)
+    with pytest.raises(UserError, match="not found"):
+        load_toml(tmp_path / "missing.toml")

@@ -1,0 +1,68 @@
+"""Datasets: the built-in task's split and strict JSONL reading."""
+
+import json
+import random
+
+import pytest
+
+from localrl.errors import UserError
+from localrl.tasks import load_task
+from localrl.tasks.arithmetic import Problem, held_out_problems, is_held_out, sample_problems, worked_answer
+from localrl.tasks.jsonl import read_jsonl
+
+
+def test_worked_answer_is_right_without_slips_and_consistently_wrong_with_them():
+    assert worked_answer(Problem(457, 68)) == "<think>7+8=15\n5+6+1=12\n4+0+1=5\n</think><answer>525</answer>"
+    slipped = worked_answer(Problem(457, 68), random.Random(0), drop_carry=1.0)
+    assert slipped == "<think>7+8=15\n5+6=11\n4+0=4\n</think><answer>415</answer>"
+    for p in sample_problems(random.Random(1), 300):
+        assert worked_answer(p).endswith(f"<answer>{p.a + p.b}</answer>")
+
+
+def test_held_out_problems_never_reach_training():
+    held = held_out_problems(200)
+    assert held == held_out_problems(200) and len(set(held)) == 200
+    assert all(is_held_out(p) for p in held)
+    task = load_task("arith")
+    train = [r for step in range(20) for r in task.sample(step, 16, seed=3)]
+    held_q = {p.question for p in held}
+    assert not held_q & {r["prompt"] for r in train}
+    assert task.sample(5, 16, seed=3) == task.sample(5, 16, seed=3) != task.sample(6, 16, seed=3)
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_rows_and_extra_columns(tmp_path):
+    f = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"q{i}", "answer": i, "level": i % 3}) for i in range(50)])
+    task = load_task(str(f), eval_size=10)
+    assert len(task.held_out) == 5 and len(task.rows) == 45
+    assert not {r["prompt"] for r in task.held_out} & {r["prompt"] for r in task.rows}
+    # every row is seen once per epoch, in a seeded order
+    epoch = task.sample(0, 45, seed=1)
+    assert sorted(r["prompt"] for r in epoch) == sorted(r["prompt"] for r in task.rows)
+    assert task.sample(2, 9, seed=1) == task.sample(2, 9, seed=1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"prompt": "q", "answer": 1', "d.jsonl:2: invalid JSON"),
+    ('["prompt", "answer"]', "d.jsonl:2: expected a JSON object"),
+    ('{"prompt": "q"}', "d.jsonl:2: missing 'answer'"),
+    ('{"prompt": "", "answer": 1}', "d.jsonl:2: 'prompt' is empty"),
+    ('{"prompt": [{"role": "user"}], "answer": 1}', "d.jsonl:2: 'prompt' must be a string or a list"),
+    ('{"prompt": "q", "answer": null}', "d.jsonl:2: 'answer' must be a string or a number"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, message):
+    f = _write(tmp_path / "d.jsonl", ['{"prompt": "ok", "answer": 1}', bad])
+    with pytest.raises(UserError, match=message):
+        read_jsonl(f)
+
+
+def test_empty_and_missing_datasets(tmp_path):
+    f = _write(tmp_path / "e.jsonl", ["", "  "])
+    with pytest.raises(UserError, match="no rows"):
+        load_task(str(f))
+    with pytest.raises(UserError, match="no such file, and not a built-in task"):
+        load_task(str(tmp_path / "nope.jsonl"))

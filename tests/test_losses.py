@@ -1,0 +1,86 @@
+"""GRPO math against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from localrl.losses import grpo_loss, group_advantages, kl_k3, masked_mean
+
+
+def test_group_advantages_standardise_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0,   2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(rewards, group_size=4)
+    # group 1: mean 0.5, unbiased std = sqrt(4 * 0.25 / 3) = 0.57735
+    std = math.sqrt(1 / 3)
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-4)
+    assert torch.allclose(adv[:4], expected, atol=1e-6)
+    # group 2: all equal -> no signal, and no division by zero
+    assert torch.equal(adv[4:], torch.zeros(4))
+
+
+def test_group_advantages_unscaled_are_centred_rewards():
+    adv = group_advantages(torch.tensor([3.0, 1.0]), group_size=2, scale=False)
+    assert adv.tolist() == [1.0, -1.0]
+
+
+def test_masked_mean_ignores_padding():
+    x = torch.tensor([[1.0, 2.0, 100.0], [4.0, 100.0, 100.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert masked_mean(x, m).item() == pytest.approx(7 / 3)
+    assert masked_mean(x, m, dim=1).tolist() == [1.5, 4.0]
+
+
+def test_kl_k3_matches_formula_and_is_zero_at_equality():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -2.0])
+    d = -0.5
+    assert kl_k3(logp, ref)[0].item() == pytest.approx(math.exp(d) - d - 1)
+    assert kl_k3(logp, ref)[1].item() == 0.0
+
+
+def test_grpo_loss_on_policy_equals_minus_mean_advantage():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, stats = grpo_loss(logp, logp.detach(), adv, mask)
+    # ratio 1 everywhere: row losses -2 and +1, summed over rows
+    assert loss.item() == pytest.approx(-1.0)
+    assert stats["clip_frac"] == 0.0
+    loss.backward()
+    # d(loss)/d(logp) = -A / (tokens in the row) on real tokens, 0 on padding
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def test_grpo_loss_clips_the_ratio_by_sign_of_advantage():
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[math.log(1.5), math.log(0.5)]])
+    mask = torch.ones(1, 2)
+    # positive advantage: ratio 1.5 is clipped to 1.2; ratio 0.5 is kept (min picks it)
+    loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    assert loss.item() == pytest.approx(-(1.2 + 0.5) / 2)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    # negative advantage: ratio 1.5 is kept (-1.5), ratio 0.5 is clipped to 0.8
+    loss, _ = grpo_loss(logp, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
+
+
+def test_grpo_loss_adds_beta_times_kl():
+    logp = torch.tensor([[-1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2)
+    loss, stats = grpo_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=ref, beta=0.1)
+    kl0 = math.exp(-0.5) + 0.5 - 1
+    assert stats["kl"] == pytest.approx(kl0 / 2)
+    assert loss.item() == pytest.approx(0.1 * kl0 / 2)
+
+
+def test_grpo_loss_micro_batches_add_up_to_the_full_batch():
+    torch.manual_seed(0)
+    logp, old = torch.randn(6, 5), torch.randn(6, 5)
+    mask = (torch.rand(6, 5) > 0.3).long()
+    mask[:, 0] = 1
+    adv = torch.randn(6)
+    full, _ = grpo_loss(logp, old, adv, mask)
+    parts = sum(grpo_loss(logp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 2), slice(2, 6)))
+    assert torch.allclose(full, parts)

@@ -1,0 +1,47 @@
+"""Verifiable reward functions."""
+
+import pytest
+
+from localrl.errors import UserError
+from localrl.rewards import (combine, exact_match, extract_answer, format_reward, numeric_match, regex_match,
+                             resolve_reward, score)
+
+
+def test_extract_answer_takes_the_last_tag():
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert extract_answer("no tag 42") is None
+
+
+def test_numeric_match():
+    completions = ["<think>x</think><answer>1,025</answer>", "<answer>12.0</answer>", "<answer>13</answer>", "12"]
+    assert numeric_match(completions, answer=[1025, "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_exact_and_regex_match():
+    assert exact_match(["<answer> Paris </answer>", "<answer>paris</answer>"], answer=["Paris", "Paris"]) == [1.0, 0.0]
+    assert regex_match(["<answer>x=3</answer>", "<answer>x=33</answer>"], answer=[r"x=\d", r"x=\d"]) == [1.0, 0.0]
+
+
+def test_format_reward_needs_think_then_answer():
+    assert format_reward(["<think>a</think><answer>b</answer>", "<answer>b</answer>",
+                          "<think>a</think><answer>b</answer> trailing"]) == [1.0, 0.0, 0.0]
+
+
+def test_user_reward_by_import_path_and_errors():
+    fn = resolve_reward("tests.test_rewards:length_reward")
+    assert score([fn, format_reward], ["ab", "<think></think><answer></answer>"], {"answer": ["", ""]}) == [
+        [2.0, 32.0], [0.0, 1.0]]
+    assert combine([[1.0, 0.0], [1.0, 1.0]], [1.0, 0.1]) == [1.1, 0.1]
+    with pytest.raises(UserError, match="unknown"):
+        resolve_reward("nope")
+    with pytest.raises(UserError, match="cannot import"):
+        resolve_reward("tests.test_rewards:missing")
+
+
+def test_score_rejects_wrong_length():
+    with pytest.raises(ValueError, match="returned 1 scores for 2"):
+        score([lambda completions, **_: [1.0]], ["a", "b"], {})
+
+
+def length_reward(completions, **columns):
+    return [float(len(c)) for c in completions]

@@ -1,0 +1,1 @@
+"""Terminal UI (Textual): training dashboard, chat and agent screens. Not built yet."""
