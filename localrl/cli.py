@@ -179,6 +179,7 @@ def _quiet_libraries() -> None:
     import warnings
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # optional-kernel notices on every import
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # per-retry network noise
     warnings.filterwarnings("ignore", category=FutureWarning)
     from transformers.utils import logging as hf_logging
 

@@ -47,10 +47,13 @@ def load_config(name: str):
     from transformers import AutoConfig
 
     path = resolve_model(name)
+    local = Path(path).exists()
+    if not local and not _hub_reachable():
+        raise UserError(f"model {name!r}: not found locally and the Hugging Face Hub is unreachable (offline?)")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        if Path(path).exists():
+        if local:
             raise UserError(f"model {name!r}: cannot read config.json ({str(e).splitlines()[0]})") from None
         raise UserError(f"model {name!r}: not found locally and could not be fetched from the Hugging Face Hub "
                         f"(offline or no such repo)") from None
@@ -58,6 +61,26 @@ def load_config(name: str):
         raise UserError(f"model {name!r}: unsupported architecture {config.model_type!r}; "
                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return path, config
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick connection check, so an offline machine fails in seconds rather than after retries.
+
+    With HF_HUB_OFFLINE set, only the local cache is consulted, and that answers at once.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def pick_device(preference: str = "auto") -> torch.device:

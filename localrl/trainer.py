@@ -175,8 +175,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     if resume:  # steps after the checkpoint will be recomputed: drop their records
-        history = [r for r in read_metrics(metrics_path) if r.get("step", 0) < start or
-                   (r.get("kind") == "eval" and r.get("when") == "before")]
+        history = [r for r in read_metrics(metrics_path) if (r.get("kind") == "train" and r["step"] <= start)
+                   or (r.get("kind") == "eval" and r.get("when") == "before")]
         rewrite_metrics(metrics_path, history)
     sink = MetricsSink(metrics_path, listeners)
     stops = stop_token_ids(tok, model)

@@ -53,10 +53,12 @@ def test_gradients_survive_a_sampling_pass(tiny_models):
         g = torch.Generator().manual_seed(0)
         rollout = sample_groups(model, prompts, 2, 6, stop_token_ids(tok, model), tok.pad_token_id, 1.0, g)
         if not sample_first:  # a fresh model that never ran in eval mode
+            torch.manual_seed(0)
             model, tok = load_policy(cfg, pick_device("cpu"))
+        g = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():  # give B weights a value so all paths carry gradient
             if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 1000))
+                torch.nn.init.normal_(p, std=0.1, generator=g)
         model.train()
         completion_logprobs(model, rollout, slice(0, 4)).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

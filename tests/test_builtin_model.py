@@ -1,0 +1,51 @@
+"""The shipped tiny model: size, format, 4-bit loading, partial accuracy, and a deterministic recipe."""
+
+import json
+from dataclasses import replace
+
+import torch
+from safetensors.torch import load_file
+
+from localrl.config import TrainConfig
+from localrl.evaluate import evaluate
+from localrl.modeling import load_base, load_tokenizer, pick_device
+from localrl.tasks import load_task
+from localrl.trainer import default_rewards
+from models.recipe import RECIPES, pretrain
+from quant.nf4 import count_4bit_layers
+
+
+def test_shipped_model_is_small_llama_with_reasoning_chat_template(builtin_model):
+    config = json.loads((builtin_model / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    n_params = sum(t.numel() for t in load_file(str(builtin_model / "model.safetensors")).values())
+    assert n_params <= 10_000_000
+    assert sum(f.stat().st_size for f in builtin_model.iterdir()) <= 20 * 2**20
+    tok = load_tokenizer(str(builtin_model))
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2?"},
+                                    {"role": "assistant", "content": "<think>1+2=3\n</think><answer>3</answer>"}],
+                                   tokenize=False)
+    assert text == ("<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>1+2=3\n</think><answer>3</answer><|im_end|>\n")
+    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+        assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_shipped_model_in_4bit_is_partly_right(builtin_model):
+    model = load_base(str(builtin_model), load_in_4bit=True, device=pick_device("cpu"))
+    assert count_4bit_layers(model) == 4 * 7
+    tok = load_tokenizer(str(builtin_model))
+    cfg = TrainConfig()
+    result = evaluate(model, tok, load_task("arith", eval_size=200).held_out, *default_rewards(cfg),
+                      max_new_tokens=cfg.max_new_tokens)
+    assert 0.2 <= result["accuracy"] <= 0.6
+
+
+def test_recipe_is_deterministic_for_a_seed(tmp_path):
+    quick = replace(RECIPES["tiny-arith"], steps=3, batch_size=8, hidden_size=32, intermediate_size=64, layers=1)
+    quiet = {"log": lambda *_: None}
+    a = load_file(str(pretrain(tmp_path / "a", quick, **quiet) / "model.safetensors"))
+    b = load_file(str(pretrain(tmp_path / "b", quick, **quiet) / "model.safetensors"))
+    c = load_file(str(pretrain(tmp_path / "c", replace(quick, seed=1), **quiet) / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
