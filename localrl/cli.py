@@ -52,9 +52,8 @@ class ProgressBar:
         if record.get("kind") == "eval":
             self.progress.console.print(f"eval {record['when']}: {_eval_line(record)}")
             return
-        if not self.progress.live.is_started:
+        if not self.progress.live.is_started:  # start the clock at the first step (after loading and eval)
             self.progress.start()
-            self.progress.update(self.task, completed=record["step"] - 1)
             self.progress.reset(self.task, completed=record["step"] - 1)
         kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
         stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
@@ -195,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"localrl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("localrl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

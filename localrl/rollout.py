@@ -65,7 +65,7 @@ def sample_groups(
     for t in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         else:
             tok = logits.argmax(-1)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)

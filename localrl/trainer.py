@@ -216,7 +216,8 @@ def _one_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
               reward_fns: list[RewardFn], weights: list[float], stops: list[int]) -> dict:
     t0 = time.time()
     rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
-    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
     model.eval()
     rollout = sample_groups(model, encode_prompts(tok, rows), cfg.group_size, cfg.max_new_tokens, stops,
                             tok.pad_token_id, cfg.temperature, generator)
