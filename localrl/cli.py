@@ -3,6 +3,8 @@
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
     localrl models build NAME | localrl models list
+    localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
+    localrl bench prompt-cache
 """
 
 from __future__ import annotations
@@ -145,6 +147,36 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from localrl.bench import bench_prompt_cache
+    from localrl.modeling import pick_device
+
+    device = pick_device(args.device)
+    print(f"prompt-cache benchmark: one GRPO group, forward+backward, 4-bit Qwen2-style model with LoRA, "
+          f"{device.type}, median of {args.repeats}")
+    rows = bench_prompt_cache(repeats=args.repeats, device=device.type)
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from localrl.memory import parse_bytes, plan_step, read_shape
+
+    if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
+        raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
+    shape = read_shape(args.model)
+    budget = parse_bytes(args.budget, "budget") if args.budget else None
+    dtype_bytes = 2 if args.device == "cuda" else 4
+    plan = plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, budget,
+                     args.lora_rank, not args.no_4bit, dtype_bytes)
+    print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
+          f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
+          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}")
+    print(plan.describe())
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +193,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward",
                           "format_weight", "max_new_tokens", "load_in_4bit", "device"])
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
+    p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    p.add_argument("--prompt-len", type=int, required=True, help="prompt tokens (P)")
+    p.add_argument("--completion-len", type=int, required=True, help="completion tokens (R)")
+    p.add_argument("--budget", default="", help="memory budget, for example 12GB (empty: no limit)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--no-4bit", action="store_true", help="plan for a full-precision base")
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="compute dtype: bf16 on cuda, fp32 on cpu")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    p.add_argument("what", choices=["prompt-cache"])
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models")
     p.add_argument("action", choices=["build", "list"])

@@ -50,6 +50,7 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clip (0 disables it)")
     micro_batch_size: int = _f(0, "completions per forward/backward chunk (0: all at once)")
+    prompt_cache: bool = _f(True, "compute each prompt once per group (--no-prompt-cache: concatenate per row)")
     # evaluation, checkpoints, run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")

@@ -6,10 +6,11 @@ One step:
   model, whose log-probs come from the same network with the adapter switched off)
   -> ``num_iterations`` AdamW updates -> one metrics record -> a checkpoint every N steps.
 
-Deliberate simplifications: on-policy sampling from the current adapter; the training
-forward concatenates each prompt with each completion (the shared-prompt forward is a
-separate module); one device. Every random choice is seeded from (seed, step), so a
-resumed run reproduces an uninterrupted one step for step.
+The training forward computes each prompt once for its group (prompt_cache.py; with
+``prompt_cache=False`` it concatenates prompt and completion per row instead). Deliberate
+simplifications: on-policy sampling from the current adapter; one device. Every random
+choice is seeded from (seed, step), so a resumed run reproduces an uninterrupted one step
+for step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from localrl.evaluate import columns_of, evaluate
 from localrl.losses import grpo_loss, group_advantages
 from localrl.metrics import Listener, MetricsSink, read_metrics, rewrite_metrics
 from localrl.modeling import load_policy, pick_device
+from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rewards import RewardFn, combine, format_reward, resolve_reward, score
 from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
 from localrl.tasks import load_task
@@ -47,24 +49,6 @@ class RunResult:
     eval_after: dict | None
 
 
-def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probabilities of the completion tokens of ``rows``: [n, R], prompt and completion concatenated."""
-    device = next(model.parameters()).device
-    g = rollout.group_size
-    p_ids = rollout.prompt_ids.repeat_interleave(g, dim=0)[rows]  # [n, P] left-padded
-    p_mask = rollout.prompt_mask.repeat_interleave(g, dim=0)[rows]
-    c_ids, c_mask = rollout.completion_ids[rows], rollout.completion_mask[rows]  # [n, R] right-padded
-    ids = torch.cat([p_ids, c_ids], dim=1).to(device)
-    mask = torch.cat([p_mask, c_mask], dim=1).to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    r = c_ids.size(1)
-    # Completions sit at the right end of every row, so the last R+1 positions predict them.
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=r + 1).logits
-    logits = logits[:, :-1].float() / temperature  # [n, R, V]
-    target = c_ids.to(device)
-    return logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n, R]
-
-
 def _chunks(n: int, size: int) -> list[slice]:
     size = size or n
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
@@ -77,26 +61,29 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     chunks = _chunks(n, cfg.micro_batch_size)
     mask = rollout.completion_mask.to(device)
     adv = advantages.to(device)
+    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
 
     def frozen_logprobs(disable_adapter: bool) -> list[torch.Tensor]:
-        with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()):
-            return [completion_logprobs(model, rollout, c, cfg.temperature) for c in chunks]
+        with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()), \
+                forward(model, rollout, cfg.temperature) as fwd:
+            return [fwd.logprobs(c) for c in chunks]
 
     ref = frozen_logprobs(True) if cfg.beta > 0 else None
     old = frozen_logprobs(False) if cfg.num_iterations > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        for i, c in enumerate(chunks):
-            logp = completion_logprobs(model, rollout, c, cfg.temperature)
-            old_logp = old[i] if old is not None else logp.detach()
-            loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
-                                    ref[i] if ref is not None else None, cfg.beta)
-            (loss / n).backward()
-            weight = (c.stop - c.start) / n / cfg.num_iterations
-            totals["loss"] += loss.item() / n / cfg.num_iterations
-            totals["kl"] += stats.get("kl", 0.0) * weight
-            totals["clip_frac"] += stats["clip_frac"] * weight
+        with forward(model, rollout, cfg.temperature) as fwd:  # leaving it finishes the prompt backward
+            for i, c in enumerate(chunks):
+                logp = fwd.logprobs(c)
+                old_logp = old[i] if old is not None else logp.detach()
+                loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
+                                        ref[i] if ref is not None else None, cfg.beta)
+                (loss / n).backward()
+                weight = (c.stop - c.start) / n / cfg.num_iterations
+                totals["loss"] += loss.item() / n / cfg.num_iterations
+                totals["kl"] += stats.get("kl", 0.0) * weight
+                totals["clip_frac"] += stats["clip_frac"] * weight
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
         optimizer.step()

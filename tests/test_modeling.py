@@ -10,7 +10,8 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.modeling import load_config, load_policy, pick_device
 from localrl.rollout import encode_prompts, sample_groups, stop_token_ids
-from localrl.trainer import completion_logprobs, train
+from localrl.prompt_cache import ConcatForward
+from localrl.trainer import train
 from quant.nf4 import count_4bit_layers
 
 
@@ -53,7 +54,8 @@ def test_gradients_survive_a_sampling_pass(tiny_models):
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1, generator=g)
         model.train()
-        completion_logprobs(model, rollout, slice(0, 4)).sum().backward()
+        with ConcatForward(model, rollout) as fwd:
+            fwd.logprobs(slice(0, 4)).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     after_sampling, fresh = lora_grads(True), lora_grads(False)

@@ -1,0 +1,179 @@
+"""Memory planner: predict a GRPO step's peak memory from config.json alone, and fit it to a budget.
+
+The prediction counts bytes the way the training step holds them (prompt_cache.py):
+
+    static      weights (4-bit linears at ~0.53 byte/param, the rest in the compute dtype)
+                + LoRA parameters, gradients and two AdamW moments (fp32)
+    prompt      saved activations of the prompt pass for all B prompts, their key/value
+                tensors, and the gradients those accumulate (held until the step ends)
+    completion  saved activations of one micro-batch of completions, including the
+                per-row copy of the prompt keys/values that attention saves
+    logits      one chunk of [tokens, vocab] float32 logits, alive in forward and backward
+
+Saved activations per token and layer follow a Llama-family decoder with LoRA on every
+linear layer: the residual stream and both norm outputs (4d), queries, attention output and
+o_proj input (3 * n_heads * head_dim), the MLP's gate, activation, up and product (4 * I),
+the LoRA bottlenecks (7 r), and attention's log-sum-exp. Keys and values are saved after
+grouped-query expansion (attention runs with a padding mask, which rules out the GQA fast
+path). 4-bit base layers save nothing: their backward re-dequantizes the weight.
+
+With activation checkpointing, a layer keeps only its input, and one layer's activations
+are rebuilt at a time during backward.
+
+The planner picks, in order of preference, no checkpointing over checkpointing, the
+largest completion micro-batch, then the largest logits chunk, whose predicted peak fits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from localrl.errors import UserError
+
+GIB = 2**30
+LORA_TARGETS_PER_LAYER = 7
+CHUNK_CHOICES = (1024, 512, 256, 128)  # larger chunks buy no speed, only memory
+
+
+def parse_bytes(text: str, field: str = "memory_budget") -> int:
+    """'10GB', '12GiB', '512MB', '2e9' -> bytes (GB and GiB both mean 2**30 here, as on GPU spec sheets)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if not m:
+        raise UserError(f"config field {field}: cannot read {text!r} as a size (for example 10GB or 512MB)")
+    unit = (m.group(2) or "b").rstrip("b").rstrip("i")
+    value = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
+    if value <= 0:
+        raise UserError(f"config field {field}: must be positive (got {text!r})")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        heads = get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+                   kv_heads=get("num_key_value_heads") or heads,
+                   head_dim=get("head_dim") or get("hidden_size") // heads,
+                   intermediate=get("intermediate_size"), vocab=get("vocab_size"),
+                   tied=bool(get("tie_word_embeddings", False)))
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return 2 * q + kv + mlp  # q and o have the same size
+
+    def lora_params(self, rank: int) -> int:
+        d, qd, kvd, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        per_layer = rank * ((d + qd) + 2 * (d + kvd) + (qd + d) + 2 * (d + i) + (i + d))
+        return per_layer * self.layers
+
+
+@dataclass
+class Plan:
+    micro_batch: int
+    logits_chunk: int
+    checkpointing: bool
+    peak_bytes: int
+    parts: dict
+    budget_bytes: int | None
+    fits: bool
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / GIB:.2f} GiB"
+        lines = [f"plan: micro_batch={self.micro_batch} completions, logits_chunk={self.logits_chunk} tokens, "
+                 f"checkpointing={'on' if self.checkpointing else 'off'}",
+                 f"predicted peak: {gib(self.peak_bytes)}"
+                 + (f" of a {gib(self.budget_bytes)} budget" if self.budget_bytes else "")
+                 + ("" if self.fits else "  -- DOES NOT FIT")]
+        lines += [f"  {k:<11} {gib(v)}" for k, v in self.parts.items()]
+        return "\n".join(lines)
+
+
+def predict_peak(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
+                 micro_batch: int, logits_chunk: int, checkpointing: bool, lora_rank: int = 16,
+                 load_in_4bit: bool = True, dtype_bytes: int = 4) -> dict:
+    """Predicted bytes of each part of a prompt-cache GRPO step; 'peak' is their sum."""
+    s, b = shape, dtype_bytes
+    q, kv_full, kv = s.heads * s.head_dim, 2 * s.heads * s.head_dim, 2 * s.kv_heads * s.head_dim
+    lin = s.linear_params_per_layer * s.layers
+    embed = s.vocab * s.hidden * (1 if s.tied else 2)
+    weights = (lin * (0.5 + 2 / 64) if load_in_4bit else lin * b) + embed * b
+    static = weights + 16 * s.lora_params(lora_rank)
+
+    per_token = b * (4 * s.hidden + 3 * q + 4 * s.intermediate + 7 * lora_rank) + 4 * s.heads
+    prompt_tokens = prompts * prompt_len
+    rows_tokens = micro_batch * completion_len
+    if checkpointing:  # keep each layer's input; rebuild one layer at a time in backward
+        prompt_act = prompt_tokens * (s.layers * b * s.hidden + per_token + b * kv_full)
+        completion_act = rows_tokens * (s.layers * b * s.hidden + per_token) \
+            + micro_batch * (prompt_len + completion_len) * b * kv_full
+    else:
+        prompt_act = prompt_tokens * s.layers * (per_token + b * kv_full)
+        completion_act = rows_tokens * s.layers * per_token \
+            + micro_batch * (prompt_len + completion_len) * s.layers * b * kv_full
+    prompt_kv = 2 * prompt_tokens * s.layers * b * kv  # the recorded keys/values and their gradients
+    logits = 4 * min(logits_chunk, rows_tokens) * s.vocab * 4
+    parts = {"weights": weights, "optimizer": static - weights, "prompt": prompt_act + prompt_kv,
+             "completion": completion_act, "logits": logits}
+    return {k: int(v) for k, v in parts.items()}
+
+
+def plan_step(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
+              budget_bytes: int | None, lora_rank: int = 16, load_in_4bit: bool = True,
+              dtype_bytes: int = 4) -> Plan:
+    """The preferred micro-batch / logits chunk / checkpointing whose predicted peak fits the budget."""
+    rows = prompts * group
+    candidates = []
+    for checkpointing in (False, True):
+        mb = rows
+        while mb >= 1:
+            for chunk in CHUNK_CHOICES:
+                parts = predict_peak(shape, prompts, group, prompt_len, completion_len, mb, chunk, checkpointing,
+                                     lora_rank, load_in_4bit, dtype_bytes)
+                candidates.append((mb, chunk, checkpointing, parts))
+            mb = mb // 2 if mb > 1 else 0
+    for mb, chunk, ckpt, parts in candidates:
+        peak = sum(parts.values())
+        if budget_bytes is None or peak <= budget_bytes:
+            return Plan(mb, chunk, ckpt, peak, parts, budget_bytes, True)
+    mb, chunk, ckpt, parts = min(candidates, key=lambda c: sum(c[3].values()))
+    return Plan(mb, chunk, ckpt, sum(parts.values()), parts, budget_bytes, False)
+
+
+def read_shape(model: str) -> ModelShape:
+    """The shape of a model from its config.json (a directory, a config.json path, or a built-in name)."""
+    from localrl.modeling import resolve_model
+
+    p = Path(model)
+    path = p if p.is_file() else Path(resolve_model(model)) / "config.json"
+    if not path.is_file():
+        raise UserError(f"model {model!r}: no config.json to plan from (give a local directory or config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"model {model!r}: config.json is not valid JSON ({e.msg})") from None
+    config = config.get("text_config", config)
+    try:
+        return ModelShape.from_config(config)
+    except (TypeError, KeyError):
+        raise UserError(f"model {model!r}: config.json lacks the sizes a planner needs") from None
+
+
+def plan_as_dict(plan: Plan) -> dict:
+    return asdict(plan)
