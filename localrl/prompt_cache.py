@@ -154,24 +154,52 @@ class SharedPromptForward(ConcatForward):
 
     def logprobs(self, rows: slice, with_entropy: bool = False):
         r, g = self.rollout, self.rollout.group_size
-        b = (torch.arange(rows.start, rows.stop) // g).to(self.device)  # prompt of each row
         n_layers = (len(self._leaves) - 1) // 2
         keys, values, last = self._leaves[:n_layers], self._leaves[n_layers:-1], self._leaves[-1]
+        row_ids = torch.arange(rows.start, rows.stop)
+        prompt_of_row = row_ids // g
         c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
-        first = last.index_select(0, b)[:, None]  # [n, 1, d]: predicts completion token 0
-        if c_ids.size(1) > 1:
-            cache = Cache(layers=[_PrefixLayer(k.index_select(0, b), v.index_select(0, b))
-                                  for k, v in zip(keys, values)])
-            c_mask = r.completion_mask[rows][:, :-1].to(self.device)
-            mask = torch.cat([self._mask.index_select(0, b), c_mask], dim=1)
-            positions = self._next_pos.index_select(0, b)[:, None] + torch.arange(c_ids.size(1) - 1,
-                                                                                   device=self.device)
-            out = self.backbone(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, cache=cache,
-                                use_cache=True)
-            hidden = torch.cat([first, out.last_hidden_state], dim=1)  # [n, R, d]
-        else:
-            hidden = first
+        first = last.index_select(0, prompt_of_row.to(self.device))[:, None]  # [n, 1, d]: predicts token 0
+        t = c_ids.size(1) - 1  # completion tokens fed to the model (the last one is only predicted)
+        if t == 0:
+            return token_logprobs(self.head, first, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+        # Pack the micro-batch's completions of each prompt side by side in one sequence that
+        # attends over that prompt's keys/values once: [prompts here, slots * t] tokens.
+        prompts_here, slot = torch.unique_consecutive(prompt_of_row, return_counts=True)
+        slots = int(slot.max())
+        entry = torch.repeat_interleave(torch.arange(len(prompts_here)), slot)  # packed sequence of each row
+        k = row_ids - torch.repeat_interleave(torch.cumsum(slot, 0) - slot, slot) - rows.start  # slot in it
+        q_len = slots * t
+        ids = torch.full((len(prompts_here), q_len), r.completion_ids[0, 0].item(), dtype=torch.long)
+        live = torch.zeros(len(prompts_here), q_len, dtype=torch.bool)
+        index = (k[:, None] * t + torch.arange(t)[None]).long()  # [n, t] position of each token in its entry
+        ids[entry[:, None], index] = r.completion_ids[rows][:, :-1]
+        live[entry[:, None], index] = r.completion_mask[rows][:, :-1].bool()
+        b = prompts_here.to(self.device)
+        cache = Cache(layers=[_PrefixLayer(kk.index_select(0, b), vv.index_select(0, b))
+                              for kk, vv in zip(keys, values)])
+        offset = torch.arange(q_len) % t
+        positions = self._next_pos.index_select(0, b)[:, None] + offset.to(self.device)[None]
+        same_completion = (torch.arange(q_len)[:, None] // t) == (torch.arange(q_len)[None] // t)
+        causal = same_completion & (offset[:, None] >= offset[None])  # [q, q] within one completion
+        own = causal[None] & live[:, None, :]  # [entries, q, q]
+        prefix = self._mask.index_select(0, b).bool()[:, None, :].expand(-1, q_len, -1)  # [entries, q, P]
+        mask = torch.cat([prefix, own.to(self.device)], dim=-1)[:, None]  # [entries, 1, q, P + q]
+        out = self.backbone(input_ids=ids.to(self.device), attention_mask=self._attention_mask(mask),
+                            position_ids=positions, cache=cache, use_cache=True)
+        packed = out.last_hidden_state  # [entries, q, d]
+        hidden = packed[entry.to(self.device)[:, None], index.to(self.device)]  # [n, t, d]
+        hidden = torch.cat([first, hidden], dim=1)  # [n, R, d]
         return token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+
+    def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4D mask in the form the model's attention takes: boolean for SDPA, additive otherwise."""
+        if self.backbone.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = next(self.backbone.parameters()).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
 
 
 def enable_checkpointing(model) -> None:

@@ -129,9 +129,10 @@ def test_one_optimizer_step_updates_the_same_with_and_without_the_prompt_cache(b
         result = train(cfg, log=lambda *_: None)
         adapters.append(load_file(str(result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors")))
     cached, naive = adapters
-    initial_b_zero = [k for k in naive if "lora_B" in k]
-    assert any(naive[k].abs().sum() > 0 for k in initial_b_zero)  # the step did move the weights
-    # Adam's first step is lr * g / (|g| + eps): it magnifies float32 noise in near-zero gradient
-    # entries, so updated weights agree to 1e-3 of their scale where gradients agree to 1e-4.
-    for k in naive:
-        assert rel_err(cached[k], naive[k]) <= 1e-3, k
+    # LoRA B starts at zero, so after one step B is exactly the update (A barely moves from its init).
+    updates = [k for k in naive if "lora_B" in k]
+    assert len(updates) == 4 * 7 and all(naive[k].abs().sum() > 0 for k in updates)
+    # Adam's first step is lr * g / (|g| + eps), which turns float32 noise in near-zero gradient
+    # entries into full-size differences of single elements; compare whole tensors (Frobenius norm).
+    for k in updates:
+        assert ((cached[k] - naive[k]).norm() / naive[k].norm()).item() <= 1e-4, k
