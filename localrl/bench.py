@@ -4,11 +4,10 @@
 naive concatenated forward and with the shared-prompt forward, on the same 4-bit + LoRA
 model, and measures each one's peak memory.
 
-Peak memory on the CPU is the process's resident-set high-water mark (VmHWM) during the
-run, above the resident size just before it. Before each measurement freed memory is
-handed back to the OS (``malloc_trim``) and the high-water mark is reset through
-``/proc/self/clear_refs``, so one variant's leftovers cannot hide the next one's peak.
-On CUDA it is ``torch.cuda.max_memory_allocated`` above the allocation before the run.
+Peak memory is the peak of live tensor allocations above the level before the run: on the
+CPU replayed from the allocation events of torch's profiler, on CUDA the caching
+allocator's ``max_memory_allocated``. The CPU resident-set peak is printed beside it; it
+is larger, since glibc's heap keeps some freed memory.
 """
 
 from __future__ import annotations
@@ -35,10 +34,16 @@ def _rss_kib(field: str) -> int:
 
 
 class PeakMemory:
-    """Context manager measuring the peak bytes allocated inside it, on the CPU or one GPU."""
+    """Context manager measuring the peak bytes allocated inside it above the level at entry.
 
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
+    CUDA: the caching allocator's ``max_memory_allocated``. CPU: the allocation and free
+    events torch's profiler records (``profile_memory=True``), replayed in time order.
+    With ``rss=True`` on the CPU it measures the resident-set high-water mark instead, which
+    adds what glibc's heap keeps of freed memory (and no profiler runs).
+    """
+
+    def __init__(self, device: torch.device, rss: bool = False):
+        self.device, self.rss, self.peak = device, rss and device.type == "cpu", 0
 
     def __enter__(self):
         gc.collect()
@@ -47,21 +52,34 @@ class PeakMemory:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
-        else:
+        elif self.rss:
             try:
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
             except OSError:
                 pass
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
             self._base = _rss_kib("VmRSS") * 1024
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self._base
-        else:
+        elif self.rss:
             self.peak = _rss_kib("VmHWM") * 1024 - self._base
+        else:
+            self._prof.__exit__(*exc)
+            events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+            level = 0
+            for _, nbytes in events:
+                level += nbytes
+                self.peak = max(self.peak, level)
         return False
 
 
@@ -107,7 +125,7 @@ def bench_prompt_cache(shapes=PROMPT_CACHE_SHAPES, repeats: int = 3, device: str
     model = bench_model(dev)
     rows = []
     log(f"{'P':>5} {'R':>4} {'G':>2} | {'naive s':>8} {'cached s':>8} {'speedup':>7} {'limit':>5} | "
-        f"{'naive MB':>8} {'cached MB':>9} {'mem ratio':>9}")
+        f"{'naive MB':>8} {'cached MB':>9} {'mem ratio':>9} | {'RSS ratio':>9}")
     for p, r, g in shapes:
         rollout = synthetic_group(p, r, g, model.config.vocab_size)
         variants = {"naive": (ConcatForward, g), "cached": (SharedPromptForward, g)}
@@ -120,17 +138,22 @@ def bench_prompt_cache(shapes=PROMPT_CACHE_SHAPES, repeats: int = 3, device: str
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
-        peaks = {}
+        peaks, rss = {}, {}
         for name, (cls, mb) in variants.items():
             with PeakMemory(dev) as mem:
                 _fwd_bwd(model, rollout, cls, mb)
             peaks[name] = mem.peak
+            with PeakMemory(dev, rss=True) as mem:
+                _fwd_bwd(model, rollout, cls, mb)
+            rss[name] = mem.peak
         t_naive, t_cached = statistics.median(times["naive"]), statistics.median(times["cached"])
         row = {"P": p, "R": r, "G": g, "naive_s": t_naive, "cached_s": t_cached, "speedup": t_naive / t_cached,
                "token_limit": g * (p + r) / (p + g * r), "naive_bytes": peaks["naive"],
-               "cached_bytes": peaks["cached"], "memory_ratio": peaks["naive"] / max(peaks["cached"], 1)}
+               "cached_bytes": peaks["cached"], "memory_ratio": peaks["naive"] / max(peaks["cached"], 1),
+               "naive_rss_bytes": rss["naive"], "cached_rss_bytes": rss["cached"]}
         rows.append(row)
+        rss_ratio = f"{rss['naive'] / max(rss['cached'], 1):>8.2f}x" if dev.type == "cpu" else ""
         log(f"{p:>5} {r:>4} {g:>2} | {t_naive:>8.2f} {t_cached:>8.2f} {row['speedup']:>6.2f}x "
             f"{row['token_limit']:>4.1f}x | {peaks['naive'] / 2**20:>8.0f} {peaks['cached'] / 2**20:>9.0f} "
-            f"{row['memory_ratio']:>8.2f}x")
+            f"{row['memory_ratio']:>8.2f}x | {rss_ratio}")
     return rows

@@ -51,6 +51,8 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "gradient norm clip (0 disables it)")
     micro_batch_size: int = _f(0, "completions per forward/backward chunk (0: all at once)")
     prompt_cache: bool = _f(True, "compute each prompt once per group (--no-prompt-cache: concatenate per row)")
+    memory_budget: str = _f("", "peak memory of a training step, e.g. 10GB: sets micro-batches, logits chunks "
+                                "and checkpointing (empty: micro_batch_size applies)")
     # evaluation, checkpoints, run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")
@@ -92,6 +94,10 @@ class TrainConfig:
         for name, ok, why in checks:
             if not ok:
                 raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})")
+        if self.memory_budget:
+            from localrl.memory import parse_bytes
+
+            parse_bytes(self.memory_budget)
         return self
 
     def to_dict(self) -> dict[str, Any]:

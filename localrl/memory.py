@@ -14,8 +14,10 @@ Saved activations per token and layer follow a Llama-family decoder with LoRA on
 linear layer: the residual stream and both norm outputs (4d), queries, attention output and
 o_proj input (3 * n_heads * head_dim), the MLP's gate, activation, up and product (4 * I),
 the LoRA bottlenecks (7 r), and attention's log-sum-exp. Keys and values are saved after
-grouped-query expansion (attention runs with a padding mask, which rules out the GQA fast
-path). 4-bit base layers save nothing: their backward re-dequantizes the weight.
+grouped-query expansion (attention runs with a mask, which rules out the GQA fast path);
+completions are packed per prompt, so a prompt's keys/values are saved once per packed
+sequence, not once per completion. 4-bit base layers save nothing: their backward
+re-dequantizes the weight.
 
 With activation checkpointing, a layer keeps only its input, and one layer's activations
 are rebuilt at a time during backward.
@@ -119,16 +121,20 @@ def predict_peak(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
     per_token = b * (4 * s.hidden + 3 * q + 4 * s.intermediate + 7 * lora_rank) + 4 * s.heads
     prompt_tokens = prompts * prompt_len
     rows_tokens = micro_batch * completion_len
+    # A micro-batch packs its completions per prompt: each packed sequence attends over its
+    # prompt's keys/values once, with a boolean [q, P + q] mask (q = its completion tokens).
+    entries = min(prompts, -(-micro_batch // group) + (micro_batch % group != 0))
+    q_len = min(micro_batch, group) * completion_len
+    kv_seq = entries * (prompt_len + q_len)
+    mask = entries * q_len * (prompt_len + q_len) * 5  # bool, plus the float copy attention makes
     if checkpointing:  # keep each layer's input; rebuild one layer at a time in backward
         prompt_act = prompt_tokens * (s.layers * b * s.hidden + per_token + b * kv_full)
-        completion_act = rows_tokens * (s.layers * b * s.hidden + per_token) \
-            + micro_batch * (prompt_len + completion_len) * b * kv_full
+        completion_act = rows_tokens * (s.layers * b * s.hidden + per_token) + kv_seq * b * kv_full + mask
     else:
         prompt_act = prompt_tokens * s.layers * (per_token + b * kv_full)
-        completion_act = rows_tokens * s.layers * per_token \
-            + micro_batch * (prompt_len + completion_len) * s.layers * b * kv_full
+        completion_act = rows_tokens * s.layers * per_token + kv_seq * s.layers * b * kv_full + mask
     prompt_kv = 2 * prompt_tokens * s.layers * b * kv  # the recorded keys/values and their gradients
-    logits = 4 * min(logits_chunk, rows_tokens) * s.vocab * 4
+    logits = 3 * min(logits_chunk, rows_tokens) * s.vocab * 4  # logits, softmax and its gradient
     parts = {"weights": weights, "optimizer": static - weights, "prompt": prompt_act + prompt_kv,
              "completion": completion_act, "logits": logits}
     return {k: int(v) for k, v in parts.items()}
@@ -177,3 +183,42 @@ def read_shape(model: str) -> ModelShape:
 
 def plan_as_dict(plan: Plan) -> dict:
     return asdict(plan)
+
+
+class MemoryBudget:
+    """A run's budget: checked once for the longest prompt up front, then planned per step."""
+
+    def __init__(self, shape: ModelShape, cfg, dtype_bytes: int):
+        self.shape, self.cfg, self.dtype_bytes = shape, cfg, dtype_bytes
+        self.bytes = parse_bytes(cfg.memory_budget)
+        self._checkpointing = False
+
+    @classmethod
+    def for_run(cls, cfg, task, device) -> "MemoryBudget":
+        """Check the budget from the model's config and tokenizer alone, before its weights load."""
+        from localrl.modeling import load_config, load_tokenizer
+        from localrl.rollout import encode_prompts
+
+        path, config = load_config(cfg.model)
+        tok = load_tokenizer(path)
+        budget = cls(ModelShape.from_config(config), cfg, 2 if device.type == "cuda" else 4)
+        rows = (task.rows or []) + task.held_out + task.sample(0, cfg.prompts_per_step, cfg.seed)
+        longest = max(len(ids) for ids in encode_prompts(tok, rows))
+        plan = budget.plan(longest, cfg.max_new_tokens)
+        if not plan.fits:
+            raise UserError(f"config field memory_budget: {cfg.memory_budget} cannot hold a step with "
+                            f"{cfg.prompts_per_step} prompts of up to {longest} tokens x {cfg.group_size} completions "
+                            f"of {cfg.max_new_tokens} tokens; the smallest plan needs {plan.peak_bytes / GIB:.2f} GiB")
+        return budget
+
+    def plan(self, prompt_len: int, completion_len: int) -> Plan:
+        c = self.cfg
+        return plan_step(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, self.bytes,
+                         c.lora_rank, c.load_in_4bit, self.dtype_bytes)
+
+    def enable_checkpointing(self, model) -> None:
+        if not self._checkpointing:
+            from localrl.prompt_cache import enable_checkpointing
+
+            enable_checkpointing(model)
+            self._checkpointing = True

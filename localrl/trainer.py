@@ -32,6 +32,7 @@ from localrl.config import TrainConfig, build_config, to_toml
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.losses import grpo_loss, group_advantages
+from localrl.memory import MemoryBudget
 from localrl.metrics import Listener, MetricsSink, read_metrics, rewrite_metrics
 from localrl.modeling import load_policy, pick_device
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
@@ -54,18 +55,19 @@ def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig) -> dict:
-    """The policy update of one step on a finished rollout; returns loss statistics."""
+def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
+              micro_batch: int = 0, logits_chunk: int = 1024) -> dict:
+    """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all)."""
     device = next(model.parameters()).device
     n = rollout.completion_ids.size(0)
-    chunks = _chunks(n, cfg.micro_batch_size)
+    chunks = _chunks(n, micro_batch)
     mask = rollout.completion_mask.to(device)
     adv = advantages.to(device)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
 
     def frozen_logprobs(disable_adapter: bool) -> list[torch.Tensor]:
         with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()), \
-                forward(model, rollout, cfg.temperature) as fwd:
+                forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
             return [fwd.logprobs(c) for c in chunks]
 
     ref = frozen_logprobs(True) if cfg.beta > 0 else None
@@ -73,7 +75,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        with forward(model, rollout, cfg.temperature) as fwd:  # leaving it finishes the prompt backward
+        with forward(model, rollout, cfg.temperature, logits_chunk) as fwd:  # leaving it finishes the prompt backward
             for i, c in enumerate(chunks):
                 logp = fwd.logprobs(c)
                 old_logp = old[i] if old is not None else logp.detach()
@@ -146,6 +148,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
+    budget = MemoryBudget.for_run(cfg, task, device) if cfg.memory_budget else None  # before any weight loads
     torch.manual_seed(cfg.seed)
     model, tok = load_policy(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -179,7 +182,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     try:
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
-                record = _one_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops)
+                record = _one_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops, budget)
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 done = step + 1
@@ -200,7 +203,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
 
 
 def _one_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
-              reward_fns: list[RewardFn], weights: list[float], stops: list[int]) -> dict:
+              reward_fns: list[RewardFn], weights: list[float], stops: list[int], budget=None) -> dict:
     t0 = time.time()
     rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
     device = next(model.parameters()).device
@@ -213,7 +216,16 @@ def _one_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
     rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
     advantages = group_advantages(rewards, cfg.group_size).float()
     model.train()
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg)
+    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
+    if budget is not None:  # re-plan for this batch's real lengths; refuse before running if it cannot fit
+        plan = budget.plan(rollout.prompt_ids.size(1), rollout.completion_ids.size(1))
+        if not plan.fits:
+            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
+                            f"memory_budget {cfg.memory_budget} (prompt {rollout.prompt_ids.size(1)} tokens)")
+        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
+        if plan.checkpointing:
+            budget.enable_checkpointing(model)
+    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {
@@ -231,6 +243,7 @@ def _one_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
+        "micro_batch": micro_batch or rollout.completion_ids.size(0),
     }
 
 

@@ -1,0 +1,80 @@
+"""The memory planner: sizes, real model configs, and predictions checked against measured allocations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from localrl.bench import PeakMemory, bench_model, synthetic_group
+from localrl.errors import UserError
+from localrl.memory import GIB, ModelShape, parse_bytes, plan_step, predict_peak
+from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+
+# config.json of two real models (sizes only; no weights are needed to plan)
+QWEN25_1_5B = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+               "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+QWEN3_4B = {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "tie_word_embeddings": True}
+
+
+def test_parse_bytes():
+    assert parse_bytes("10GB") == 10 * GIB == parse_bytes("10 GiB") == parse_bytes("10g")
+    assert parse_bytes("512MB") == 512 * 2**20 and parse_bytes("2e9") == 2_000_000_000
+    with pytest.raises(UserError, match="memory_budget: cannot read '12XB'"):
+        parse_bytes("12XB")
+
+
+def test_real_configs_on_a_12gb_card():
+    small = ModelShape.from_config(QWEN25_1_5B)
+    plan = plan_step(small, 1, 8, 1000, 512, 12 * GIB, dtype_bytes=2)
+    assert plan.fits and plan.peak_bytes <= 12 * GIB and not plan.checkpointing
+    # a 16k-token prompt forces smaller micro-batches and checkpointing, and still fits
+    long = plan_step(small, 1, 8, 16000, 64, 12 * GIB, dtype_bytes=2)
+    assert long.fits and long.checkpointing
+    big = ModelShape.from_config(QWEN3_4B)
+    assert plan_step(big, 1, 8, 2000, 512, 12 * GIB, dtype_bytes=2).fits
+    too_long = plan_step(big, 1, 8, 64000, 512, 12 * GIB, dtype_bytes=2)
+    assert not too_long.fits and "DOES NOT FIT" in too_long.describe()
+
+
+def test_plan_command_reads_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    args = [sys.executable, "-m", "localrl.cli", "plan", "--model", str(tmp_path), "--group", "8",
+            "--prompt-len", "4000", "--completion-len", "256", "--budget", "12GB"]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "36 layers" in proc.stdout and "predicted peak" in proc.stdout and "of a 12.00 GiB budget" in proc.stdout
+    proc = subprocess.run(args[:-1] + ["1GB"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
+
+
+@pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(1000, 100, 300), (2000, 64, 200)])
+def test_measured_peak_is_under_budget_and_near_the_prediction(prompt_len, completion_len, budget_mb):
+    """Plan under a budget, run forward+backward that way, and measure real allocations (profiler)."""
+    device = torch.device("cpu")
+    model = bench_model(device)
+    shape = ModelShape.from_config(model.config)
+    static = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = plan_step(shape, 1, 8, prompt_len, completion_len, budget_mb * 2**20)
+    assert plan.fits and plan.micro_batch < 8  # the budget is tight enough to make the planner split
+    if plan.checkpointing:
+        enable_checkpointing(model)
+    rollout = synthetic_group(prompt_len, completion_len, 8, shape.vocab)
+    with PeakMemory(device) as mem:
+        with SharedPromptForward(model, rollout, chunk_tokens=plan.logits_chunk) as fwd:
+            for i in range(0, 8, plan.micro_batch):
+                fwd.logprobs(slice(i, min(i + plan.micro_batch, 8))).sum().backward()
+    lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted_step = plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads
+    assert static + mem.peak <= budget_mb * 2**20
+    assert 0.75 <= mem.peak / predicted_step <= 1.25, (mem.peak, predicted_step, plan.describe())
+
+
+def test_budget_that_cannot_fit_stops_before_loading(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "localrl.cli", "train", "--memory-budget", "5MB",
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "memory_budget: 5MB cannot hold a step" in proc.stderr
+    assert not (tmp_path / "run").exists()
