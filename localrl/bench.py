@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from localrl.errors import UserError
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
@@ -157,3 +158,112 @@ def bench_prompt_cache(shapes=PROMPT_CACHE_SHAPES, repeats: int = 3, device: str
             f"{row['token_limit']:>4.1f}x | {peaks['naive'] / 2**20:>8.0f} {peaks['cached'] / 2**20:>9.0f} "
             f"{row['memory_ratio']:>8.2f}x | {rss_ratio}")
     return rows
+
+
+def _bench_policy_dir(root: Path, vocab_tokenizer) -> Path:
+    """A random Qwen2-style model (the bench shape) with the built-in byte tokenizer, no chat template."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = vocab_tokenizer
+    tok.chat_template = None  # prompts are raw text, so both trainers see exactly P tokens
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def distinct_chars(completions, **_) -> list[float]:
+    """A reward that differs between random completions, so every step has a learning signal."""
+    return [float(len(set(c))) for c in completions]
+
+
+def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: int = 8, steps: int = 3,
+                    log=print) -> dict:
+    """Whole GRPO steps (generation, scoring, update) of localrl and of TRL's GRPOTrainer, same model.
+
+    Both get one prompt of ``prompt_len`` tokens per step, G completions of exactly
+    ``completion_len`` tokens (no stop token can end them early), the same reward, a 4-bit
+    NF4 base with the same LoRA adapters, beta = 0, one optimisation pass. The first step
+    of each is a warm-up; the median of the rest is reported.
+    """
+    import random
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+
+    from localrl.config import TrainConfig
+    from localrl.modeling import load_base, load_tokenizer
+    from localrl.tasks import Task
+    from localrl.trainer import train_step
+    from models.recipe import build_tokenizer
+
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        raise UserError("bench grpo-step: needs TRL (pip install -e '.[bench]')") from None
+
+    rng = random.Random(0)
+    prompts = ["".join(rng.choice("abcdefghij klmnopqrst") for _ in range(prompt_len)) for _ in range(steps + 1)]
+    rows = [{"prompt": p, "answer": "0"} for p in prompts]
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    device = torch.device("cpu")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(_bench_policy_dir(Path(tmp) / "model", build_tokenizer()))
+        tok = load_tokenizer(path)
+        assert all(len(tok(p)["input_ids"]) == prompt_len for p in prompts)
+
+        # localrl: its own step function, stop tokens disabled so every completion has R tokens
+        cfg = TrainConfig(model=path, data="rows", prompts_per_step=1, group_size=group,
+                          max_new_tokens=completion_len, beta=0.0, eval_size=0).validate()
+        torch.manual_seed(0)
+        model = get_peft_model(load_base(path, True, device), lora)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        task = Task("rows", rows, [])
+        rewards, weights = [distinct_chars], [1.0]
+        ours = []
+        for step in range(steps + 1):
+            t0 = time.perf_counter()
+            train_step(model, tok, optimizer, task, step, cfg, rewards, weights, stops=[])
+            ours.append(time.perf_counter() - t0)
+        log(f"localrl steps (s): {', '.join(f'{t:.2f}' for t in ours)}")
+        del model, optimizer
+        gc.collect()
+
+        # TRL: GRPOTrainer on the same 4-bit base with the same adapters
+        class StepTimer(TrainerCallback):
+            def __init__(self):
+                self.times, self._t0 = [], 0.0
+
+            def on_step_begin(self, args, state, control, **kw):
+                self._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                self.times.append(time.perf_counter() - self._t0)
+
+        timer = StepTimer()
+        torch.manual_seed(0)
+        trl_model = get_peft_model(load_base(path, True, device), lora)
+        trl_model.train()
+        args = GRPOConfig(output_dir=str(Path(tmp) / "trl"), use_cpu=True, num_generations=group,
+                          per_device_train_batch_size=group, gradient_accumulation_steps=1,
+                          max_completion_length=completion_len, generation_kwargs={"min_new_tokens": completion_len},
+                          max_steps=steps + 1, beta=0.0, learning_rate=cfg.lr, logging_steps=1000, report_to="none",
+                          save_strategy="no", bf16=False, fp16=False, shuffle_dataset=False, seed=0,
+                          disable_tqdm=True)
+        trainer = GRPOTrainer(model=trl_model, reward_funcs=rewards[0], args=args,
+                              train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
+        trainer.train()
+        log(f"TRL steps (s):     {', '.join(f'{t:.2f}' for t in timer.times)}")
+
+    t_ours, t_trl = statistics.median(ours[1:]), statistics.median(timer.times[1:])
+    result = {"P": prompt_len, "R": completion_len, "G": group, "localrl_s": t_ours, "trl_s": t_trl,
+              "speedup": t_trl / t_ours}
+    log(f"whole GRPO step, P={prompt_len} R={completion_len} G={group}: localrl {t_ours:.2f} s, "
+        f"TRL GRPOTrainer {t_trl:.2f} s -> localrl {t_trl / t_ours:.2f}x faster")
+    return result

@@ -4,7 +4,7 @@
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
     localrl models build NAME | localrl models list
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
-    localrl bench prompt-cache
+    localrl bench prompt-cache | grpo-step
 """
 
 from __future__ import annotations
@@ -148,9 +148,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from localrl.bench import bench_prompt_cache
+    from localrl.bench import bench_grpo_step, bench_prompt_cache
     from localrl.modeling import pick_device
 
+    if args.what == "grpo-step":
+        print("grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G=8, P=1000, R=100, "
+              "4-bit Qwen2-style model with LoRA, cpu")
+        result = bench_grpo_step(steps=args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     device = pick_device(args.device)
     print(f"prompt-cache benchmark: one GRPO group, forward+backward, 4-bit Qwen2-style model with LoRA, "
           f"{device.type}, median of {args.repeats}")
@@ -207,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")

@@ -182,7 +182,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     try:
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
-                record = _one_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops, budget)
+                record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops, budget)
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 done = step + 1
@@ -202,8 +202,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     return RunResult(run_dir, done, interrupted, eval_before, eval_after)
 
 
-def _one_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
-              reward_fns: list[RewardFn], weights: list[float], stops: list[int], budget=None) -> dict:
+def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
+               reward_fns: list[RewardFn], weights: list[float], stops: list[int], budget=None) -> dict:
+    """One whole GRPO step (sample, score, update) on ``task``'s rows of ``step``; returns its metrics record."""
     t0 = time.time()
     rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
     device = next(model.parameters()).device

@@ -74,7 +74,7 @@ def test_lora_logprobs_and_gradients_match_the_naive_path(tiny_models, arch, fou
     assert any("lora_A" in k for k in naive[1]) and all("lora" in k for k in naive[1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_full_precision_all_parameter_gradients_match(tiny_models, arch):
     model = load_base(str(tiny_models[arch]), load_in_4bit=False, device=pick_device("cpu"))
     model.requires_grad_(True)
