@@ -8,16 +8,15 @@ regular PEFT adapter (``PeftModel.from_pretrained(base, ckpt_dir)`` loads it).
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from localrl.atomic import atomic_dir
 from localrl.errors import UserError
 
 STATE_FILE = "trainer_state.pt"
@@ -36,22 +35,10 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, keep: int = 2) -> Path:
     """Write checkpoint ``step`` (number of completed steps) atomically; keep the newest ``keep``."""
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    try:
+    final = run_dir / "checkpoints" / f"step-{step:06d}"
+    with atomic_dir(final, fsync=True) as tmp:
         model.save_pretrained(str(tmp))
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / STATE_FILE)
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -64,6 +51,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete temporary directories left by checkpoint writes that were killed midway."""
+    for stale in (Path(run_dir) / "checkpoints").glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from localrl.atomic import write_text_atomic
+
 Listener = Callable[[dict], None]
 
 
@@ -50,6 +52,4 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def rewrite_metrics(path: Path, records: list[dict]) -> None:
     """Replace a metrics file atomically (used on resume to drop steps after the checkpoint)."""
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -15,8 +15,6 @@ for step.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import threading
 import time
@@ -27,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from localrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from localrl.atomic import write_text_atomic
+from localrl.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint
 from localrl.config import TrainConfig, build_config, to_toml
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
@@ -155,15 +154,14 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.toml", to_toml(cfg))
+    write_text_atomic(run_dir / "config.toml", to_toml(cfg))
     metrics_path = run_dir / "metrics.jsonl"
     start, history = 0, []
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         start = load_checkpoint(ckpt, model, optimizer)
         log(f"resumed {run_dir} from {ckpt.name}")
-    for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_partial_checkpoints(run_dir)
     if resume:  # steps after the checkpoint will be recomputed: drop their records
         history = [r for r in read_metrics(metrics_path) if (r.get("kind") == "train" and r["step"] <= start)
                    or (r.get("kind") == "eval" and r.get("when") == "before")]
@@ -246,10 +244,3 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
         "lr": optimizer.param_groups[0]["lr"],
         "micro_batch": micro_batch or rollout.completion_ids.size(0),
     }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
