@@ -3,6 +3,7 @@
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
     localrl models build NAME | localrl models list
+    localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl bench prompt-cache | grpo-step
 """
@@ -184,6 +185,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from quant.export import export
+
+    result = export(args.source, args.out, args.quant, check=not args.no_check)
+    if result.report is None:
+        return 0
+    print(result.report.describe())
+    return 0 if result.report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p, ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward",
                           "format_weight", "max_new_tokens", "load_in_4bit", "device"])
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a run (adapter merged onto its base) or a model to GGUF, then validate it")
+    p.add_argument("source", help="run directory or model directory / built-in name")
+    p.add_argument("--out", required=True, help="output .gguf file")
+    p.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (default f16)")
+    p.add_argument("--no-check", action="store_true", help="skip the llama.cpp validation")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
     p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")

@@ -5,9 +5,10 @@
 scratch on synthetic scratchpad traces of the built-in addition task.
 
 Deliberate choices:
-- Byte-level BPE with no merges: every byte is a token, plus a few special and added
-  tokens (ChatML turn markers, ``<think>``/``<answer>`` tags). Digits are single tokens,
-  and the vocabulary is a plain GPT-2-style BPE that llama.cpp reads.
+- Byte-level BPE: every byte is a token, a handful of merges spell the prompt's fixed
+  words (``user``, ``What``, `` is``, ``assistant``), and special and added tokens mark
+  ChatML turns and the ``<think>``/``<answer>`` tags. Digits are never merged, so each is
+  one token. It is a plain GPT-2-style BPE that llama.cpp reads.
 - The traces forget each carry with probability ``drop_carry`` (0.6), so the model learns
   a systematic slip it makes more often than not: greedy decoding is right only on
   problems without carries (about 40% of held-out problems), while sampling still finds
@@ -62,15 +63,34 @@ class Recipe:
 RECIPES = {"tiny-arith": Recipe()}
 
 
+# Whole-word merges for the words of every prompt; digits are never merged, so each digit
+# stays one token. (llama.cpp also requires a BPE vocabulary to have merges.)
+MERGED_WORDS = ["user", "What", "Ġis", "assistant"]
+
+
+def _merges(words: list[str]) -> list[tuple[str, str]]:
+    """Left-to-right merges that build each word from its characters."""
+    out: list[tuple[str, str]] = []
+    for word in words:
+        for i in range(2, len(word) + 1):
+            pair = (word[:i - 1], word[i - 1])
+            if pair not in out:
+                out.append(pair)
+    return out
+
+
 def build_tokenizer():
-    """A byte-level BPE tokenizer (256 byte tokens, no merges) with ChatML and reasoning tags."""
+    """A byte-level BPE tokenizer (256 byte tokens, a few word merges) with ChatML and reasoning tags."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
     byte_chars.sort(key=lambda c: _byte_of(c))
     vocab = {c: i for i, c in enumerate(byte_chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    merges = _merges(MERGED_WORDS)
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # Ids 256.. in a fixed order: special turn markers, then the reasoning tags, which are

@@ -1,1 +1,2 @@
-"""Quantisation and export: 4-bit NF4 loading (nf4.py); LoRA merge and the GGUF writer come next."""
+"""Quantisation and export: 4-bit NF4 loading (nf4.py), LoRA merge and GGUF writing (export.py,
+gguf_writer.py), and validation of every GGUF file in llama.cpp (gguf_check.py)."""

@@ -20,14 +20,39 @@ ARCH_CONFIGS = {
 }
 
 
-def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0) -> Path:
-    """A randomly initialised ~0.2M-parameter model of ``arch`` with the built-in byte tokenizer."""
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 457 + 68? The answer is 525.",
+          "Reinforcement learning with verifiable rewards trains small reasoning models.",
+          "<think>First add the units, then the tens.</think><answer>42</answer>"] * 20
+
+
+def train_bpe_tokenizer():
+    """A GPT-2-style byte-level BPE tokenizer trained on a small corpus, with ChatML tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from models.recipe import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, trained_tokenizer: bool = False) -> Path:
+    """A randomly initialised ~0.2M-parameter model of ``arch`` with the built-in (or a trained) BPE tokenizer."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     from models.recipe import build_tokenizer
 
-    tok = build_tokenizer()
+    tok = train_bpe_tokenizer() if trained_tokenizer else build_tokenizer()
     config = getattr(transformers, ARCH_CONFIGS[arch])(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

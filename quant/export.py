@@ -1,0 +1,70 @@
+"""``localrl export``: a run's adapter merged onto its full-precision base, or a model directory, to GGUF.
+
+The adapter is merged onto the base weights as stored (float32 on load), never onto a
+dequantized 4-bit copy, which would carry the 4-bit rounding into every exported weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localrl.errors import UserError
+from quant.gguf_check import CheckReport, check_gguf
+from quant.gguf_writer import QUANT_TYPES, check_architecture, write_gguf
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    source: str  # which weights were written, in words
+    report: CheckReport | None
+
+
+def load_merged(source: str | Path):
+    """(merged full-precision model, tokenizer, tokenizer dir, description of the weights used)."""
+    from transformers import AutoModelForCausalLM
+
+    from localrl.checkpoint import latest_checkpoint
+    from localrl.modeling import load_config, load_tokenizer
+
+    src = Path(source)
+    if (src / "config.toml").is_file():  # a run directory
+        from peft import PeftModel
+
+        from localrl.trainer import resume_config
+
+        cfg = resume_config(src)
+        ckpt = latest_checkpoint(src)
+        if ckpt is None:
+            raise UserError(f"export {src}: the run has no adapter checkpoint")
+        path, config = load_config(cfg.model)
+        check_architecture(config)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        try:
+            model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
+        except Exception as e:  # a damaged adapter: one line, not a traceback
+            raise UserError(f"export {src}: adapter {ckpt.name} cannot be loaded ({str(e).splitlines()[0]})") from None
+        what = f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
+    else:
+        path, config = load_config(str(source))
+        check_architecture(config)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        what = f"full-precision (float32) weights of {path}"
+    return model.eval(), load_tokenizer(path), Path(path), what
+
+
+def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool = True, log=print) -> ExportResult:
+    if quant not in QUANT_TYPES:
+        raise UserError(f"export: unknown quant type {quant!r}; use one of {', '.join(QUANT_TYPES)}")
+    out = Path(out)
+    if out.suffix != ".gguf":
+        raise UserError(f"export: output {out} should end in .gguf")
+    model, tok, tok_dir, what = load_merged(source)
+    log(f"exporting {what}")
+    write_gguf(model.state_dict(), model.config, tok_dir, tok, out, quant)
+    log(f"wrote {out} ({quant}, {out.stat().st_size / 2**20:.1f} MiB)")
+    report = check_gguf(out, model, tok, quant) if check else None
+    return ExportResult(out, what, report)

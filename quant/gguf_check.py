@@ -1,0 +1,121 @@
+"""Prove a GGUF file right: load it in llama.cpp (llama-cpp-python) and compare with the torch model.
+
+Three checks, each against the full-precision torch model the file was written from:
+- tokenisation of a sample text (special tokens included) is identical;
+- next-token logits on sample prompts agree on the top-1 token at every position
+  (at least 99% for f32/f16/bf16, 95% for q8_0; lower-bit types are reported, not judged);
+- for f32/f16/bf16 the logits are close: the largest difference at any position is a small
+  fraction of that position's logit range (0.3%; 2% for bf16). Top-1 agreement alone can
+  miss a wrong rotary layout in a model whose attention is still nearly uniform;
+- for f32/f16 the greedy continuation of each prompt is identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOP1_REQUIRED = {"f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 0.95}
+CLOSENESS_REQUIRED = {"f32": 0.003, "f16": 0.003, "bf16": 0.02}  # max |logit diff| / logit range
+GREEDY_REQUIRED = {"f32", "f16"}
+SAMPLE_TEXT = "Hello world! What is 457 + 68? <think>7+8=15</think><answer>525</answer>\n  tabs\tand é ü 中文"
+SAMPLE_QUESTIONS = ["What is 457 + 68?", "What is 9 + 1234?", "Name three colours.", "What is 70 + 35?"]
+
+
+@dataclass
+class CheckReport:
+    quant: str
+    tokens_identical: bool
+    top1_agreement: float
+    max_abs_logit_diff: float
+    rel_logit_error: float
+    greedy_identical: bool
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def describe(self) -> str:
+        need = TOP1_REQUIRED.get(self.quant)
+        lines = [f"tokenisation identical: {'yes' if self.tokens_identical else 'NO'}",
+                 f"top-1 agreement: {self.top1_agreement:.1%}" + (f" (need {need:.0%})" if need else " (reported)"),
+                 f"max |logit difference|: {self.max_abs_logit_diff:.4f} "
+                 f"({self.rel_logit_error:.3%} of the logit range"
+                 + (f", need <= {CLOSENESS_REQUIRED[self.quant]:.1%})" if self.quant in CLOSENESS_REQUIRED else ")"),
+                 f"greedy continuation identical: {'yes' if self.greedy_identical else 'no'}"
+                 + (" (required)" if self.quant in GREEDY_REQUIRED else " (reported)"),
+                 "validation: " + ("passed" if self.passed else "FAILED: " + "; ".join(self.failures))]
+        return "\n".join(lines)
+
+
+def sample_prompts(tok) -> list[list[int]]:
+    """Token ids of a few chat prompts (raw text where the tokenizer has no template)."""
+    out = []
+    for q in SAMPLE_QUESTIONS:
+        if tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        else:
+            text = q
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _torch_greedy(model, ids: list[int], n: int) -> list[int]:
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def _llama_greedy(llm, ids: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(nxt)
+        llm.eval([nxt])
+    return out
+
+
+def check_gguf(path: Path, model, tok, quant: str, greedy_tokens: int = 12) -> CheckReport:
+    """Compare the GGUF at ``path`` with ``model`` (torch, full precision, eval mode)."""
+    from llama_cpp import Llama
+
+    model.eval()
+    prompts = sample_prompts(tok)
+    n_ctx = max(len(p) for p in prompts) + greedy_tokens + 8
+    llm = Llama(model_path=str(path), n_ctx=max(n_ctx, 64), logits_all=True, verbose=False, n_threads=2, seed=0)
+    try:
+        hf_ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+        tokens_identical = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False, special=True) == hf_ids
+        agree, total, max_diff, rel_err, greedy_identical = 0, 0, 0.0, 0.0, True
+        for ids in prompts:
+            llm.reset()
+            llm.eval(ids)
+            theirs = np.asarray(llm.scores[:len(ids)], dtype=np.float32)  # [T, V]
+            with torch.no_grad():
+                ours = model(torch.tensor([ids])).logits[0].float().numpy()
+            agree += int((theirs.argmax(-1) == ours.argmax(-1)).sum())
+            total += len(ids)
+            diff = np.abs(theirs - ours).max(-1)  # [T]
+            max_diff = max(max_diff, float(diff.max()))
+            rel_err = max(rel_err, float((diff / (ours.max(-1) - ours.min(-1))).max()))
+            greedy_identical &= _llama_greedy(llm, ids, greedy_tokens) == _torch_greedy(model, ids, greedy_tokens)
+    finally:
+        llm.close()
+    report = CheckReport(quant, tokens_identical, agree / total, max_diff, rel_err, greedy_identical)
+    if not tokens_identical:
+        report.failures.append("tokenisation differs")
+    if quant in TOP1_REQUIRED and report.top1_agreement < TOP1_REQUIRED[quant]:
+        report.failures.append(f"top-1 agreement {report.top1_agreement:.1%} < {TOP1_REQUIRED[quant]:.0%}")
+    if quant in CLOSENESS_REQUIRED and rel_err > CLOSENESS_REQUIRED[quant]:
+        report.failures.append(f"logits differ by {rel_err:.2%} of their range")
+    if quant in GREEDY_REQUIRED and not greedy_identical:
+        report.failures.append("greedy continuation differs")
+    return report

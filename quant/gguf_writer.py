@@ -1,0 +1,184 @@
+"""Write a Llama / Mistral / Qwen2 / Qwen3 model to GGUF with gguf-py: offline, no llama.cpp checkout.
+
+What llama.cpp expects, and what this writes:
+- tensor names from gguf-py's name map; 1-D tensors (norms, biases) stay F32; 2-D weights
+  take the requested type, falling back to F16 where a row does not divide into blocks;
+- Llama and Mistral q/k projections permuted to the rotary layout llama.cpp uses (its
+  converter does the same); Qwen2/Qwen3 use NEOX rotary and stay as they are; Qwen3 adds
+  the q/k norms;
+- tied embeddings: no ``output.weight``, llama.cpp reuses ``token_embd``;
+- a GPT-2-style BPE vocabulary (tokens, token types, merges, a pre-tokenizer name llama.cpp
+  knows), the bos/eos/pad/end-of-turn ids and the chat template.
+
+The file is written under a temporary name and renamed when complete.
+Deliberate limits: BPE (tokenizer.json) vocabularies only; rope scaling other than none is
+refused rather than written half right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from localrl.errors import UserError
+
+ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+QUANT_TYPES = {  # name -> (tensor type, file type)
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+    "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
+    "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
+}
+# Pre-tokenizer names llama.cpp knows, recognised from the split pattern in tokenizer.json.
+_PRE_BY_PATTERN = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+}
+
+
+def check_architecture(config) -> None:
+    if config.model_type not in ARCHITECTURES:
+        raise UserError(f"export: unsupported architecture {config.model_type!r}; "
+                        f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ("default", None):
+        raise UserError(f"export: rope scaling {kind!r} is not supported by this writer yet")
+
+
+def _permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's half-split rotary layout to llama.cpp's interleaved one, per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _pre_tokenizer(tokenizer_json: dict) -> str:
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre])
+    for part in parts:
+        pattern = (part.get("pattern") or {}).get("Regex")
+        if pattern in _PRE_BY_PATTERN:
+            return _PRE_BY_PATTERN[pattern]
+    if any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
+        return "gpt-2"
+    return "default"
+
+
+def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
+    import gguf
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(f"export: {tokenizer_dir} has no fast tokenizer (only BPE tokenizer.json is supported)")
+    # The tokenizer as transformers runs it: its class may replace the file's pre-tokenizer
+    # (Qwen2's splits digits one by one), and llama.cpp must split text the same way.
+    tokenizer_json = json.loads(backend.to_str())
+    if (tokenizer_json.get("model") or {}).get("type") != "BPE":
+        raise UserError("export: only BPE tokenizers (tokenizer.json with a BPE model) are supported")
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in added:
+            tokens.append(added[i].content)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+        else:  # embedding rows beyond the tokenizer
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer(tokenizer_json))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(str(tokenizer_dir), load_merges=True, n_vocab=len(tokens))
+    special.add_to_gguf(writer, quiet=True)
+    if tok.chat_template and "<|im_end|>" in tokens:  # ChatML: the end of a turn
+        writer.add_eot_token_id(tokens.index("<|im_end|>"))
+
+
+def _tensor_data(name: str, w: np.ndarray, qtype):
+    """(data, raw dtype) for one tensor: 1-D in F32, others in ``qtype`` or F16 where rows do not fit blocks."""
+    import gguf
+    from gguf.quants import quantize
+
+    if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        return w.astype(np.float32), gguf.GGMLQuantizationType.F32
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if w.shape[-1] % block != 0:
+        qtype = gguf.GGMLQuantizationType.F16
+    return quantize(w.astype(np.float32), qtype), qtype
+
+
+def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path, tok, out: Path,
+               quant: str = "f16") -> Path:
+    """Write ``state_dict`` (HF names, full precision) as GGUF at ``out`` (atomically)."""
+    import gguf
+
+    check_architecture(config)
+    if quant not in QUANT_TYPES:
+        raise UserError(f"export: unknown quant type {quant!r}; use one of {', '.join(QUANT_TYPES)}")
+    tensor_type, file_type = QUANT_TYPES[quant]
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    arch = gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]]
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        writer.add_name(getattr(config, "_name_or_path", "") or out.stem)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv(n_kv)
+        writer.add_rope_freq_base(float(getattr(config, "rope_theta", None)
+                                        or (config.rope_parameters or {}).get("rope_theta", 10000.0)))
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        if head_dim * n_head != config.hidden_size or config.model_type == "qwen3":
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        if arch == gguf.MODEL_ARCH.LLAMA:
+            writer.add_rope_dimension_count(head_dim)
+        writer.add_file_type(gguf.LlamaFileType[file_type])
+        _add_vocab(writer, Path(tokenizer_dir), tok, config.vocab_size)
+
+        names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        for hf_name, tensor in state_dict.items():
+            if tied and hf_name == "lm_head.weight":
+                continue
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise UserError(f"export: no GGUF name for tensor {hf_name!r}")
+            w = tensor.detach().float().cpu().numpy()
+            if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("q_proj.weight"):
+                w = _permute_rotary(w, n_head)
+            elif arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith("k_proj.weight"):
+                w = _permute_rotary(w, n_kv)
+            data, dtype = _tensor_data(name, w, qtype)
+            writer.add_tensor(name, data, raw_dtype=dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

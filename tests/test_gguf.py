@@ -1,0 +1,119 @@
+"""GGUF export: every file is loaded in llama.cpp and compared with the torch model it came from."""
+
+import json
+
+import gguf
+import pytest
+import torch
+
+from localrl.errors import UserError
+from quant import gguf_writer
+from quant.export import export
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def bpe_models(tmp_path_factory):
+    """Tiny random models of each family with a trained BPE tokenizer; one with tied embeddings."""
+    root = tmp_path_factory.mktemp("bpe-models")
+    models = {arch: make_tiny_model(root / arch, arch, trained_tokenizer=True)
+              for arch in ("llama", "mistral", "qwen2", "qwen3")}
+    models["qwen2-tied"] = make_tiny_model(root / "qwen2-tied", "qwen2", tie=True, trained_tokenizer=True)
+    return models
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen2-tied"])
+def test_export_passes_llama_cpp_validation(bpe_models, tmp_path, name, quant):
+    out = tmp_path / f"{name}.gguf"
+    result = export(bpe_models[name], out, quant, log=lambda *_: None)
+    report = result.report
+    assert report.passed, report.describe()
+    assert report.tokens_identical
+    if quant in ("f16", "q8_0"):
+        assert report.top1_agreement >= (0.99 if quant == "f16" else 0.95)
+    if quant == "f16":
+        assert report.greedy_identical
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_metadata_reads_back(bpe_models, tmp_path):
+    out = tmp_path / "q3.gguf"
+    export(bpe_models["qwen3"], out, "f16", check=False, log=lambda *_: None)
+    fields = gguf.GGUFReader(out).fields
+    value = lambda key: fields[key].contents()
+    config = json.loads((bpe_models["qwen3"] / "config.json").read_text())
+    assert value("general.architecture") == "qwen3"
+    assert value("qwen3.block_count") == config["num_hidden_layers"]
+    assert value("qwen3.attention.head_count_kv") == config["num_key_value_heads"]
+    assert value("qwen3.attention.key_length") == config["head_dim"]
+    assert value("tokenizer.ggml.model") == "gpt2"
+    assert value("tokenizer.ggml.pre") == "gpt-2"
+    assert len(value("tokenizer.ggml.tokens")) == config["vocab_size"]
+    assert len(value("tokenizer.ggml.merges")) > 100
+    tokenizer_config = json.loads((bpe_models["qwen3"] / "tokenizer_config.json").read_text())
+    assert value("tokenizer.chat_template") == (bpe_models["qwen3"] / "chat_template.jinja").read_text() \
+        or value("tokenizer.chat_template") == tokenizer_config.get("chat_template")
+    eos = value("tokenizer.ggml.eos_token_id")
+    assert value("tokenizer.ggml.tokens")[eos] == "<|im_end|>" == value("tokenizer.ggml.tokens")[
+        value("tokenizer.ggml.eot_token_id")]
+    types = value("tokenizer.ggml.token_type")
+    assert types[eos] == gguf.TokenType.CONTROL
+    assert types[value("tokenizer.ggml.tokens").index("<think>")] == gguf.TokenType.USER_DEFINED
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert "blk.0.attn_q_norm.weight" in names and "output.weight" in names
+
+
+def test_tied_embeddings_write_no_output_tensor(bpe_models, tmp_path):
+    out = tmp_path / "tied.gguf"
+    export(bpe_models["qwen2-tied"], out, "f16", check=False, log=lambda *_: None)
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names
+
+
+def test_missing_rotary_permutation_is_caught(bpe_models, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_writer, "_permute_rotary", lambda w, n_head: w)
+    result = export(bpe_models["llama"], tmp_path / "bad.gguf", "f32", log=lambda *_: None)
+    assert not result.report.passed and (tmp_path / "bad.gguf").exists()
+
+
+def test_a_failed_write_leaves_no_file(bpe_models, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export(bpe_models["qwen2"], tmp_path / "x.gguf", "f16", check=False, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_errors_are_one_line(tmp_path, builtin_model):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UserError, match="supported: llama, mistral, qwen2, qwen3"):
+        export(tmp_path / "gpt2", tmp_path / "x.gguf", log=lambda *_: None)
+    with pytest.raises(UserError, match="unknown quant type 'q3_x'"):
+        export(builtin_model, tmp_path / "x.gguf", "q3_x", log=lambda *_: None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('[train]\nmodel = "tiny-arith"\n')
+    with pytest.raises(UserError, match="the run has no adapter checkpoint"):
+        export(run, tmp_path / "x.gguf", log=lambda *_: None)
+    ckpt = run / "checkpoints" / "step-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    (ckpt / "adapter_model.safetensors").write_bytes(b"broken")
+    with pytest.raises(UserError, match="adapter step-000001 cannot be loaded"):
+        export(run, tmp_path / "x.gguf", log=lambda *_: None)
+
+
+def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tmp_path):
+    from localrl.config import TrainConfig
+    from localrl.trainer import train
+
+    cfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, eval_size=0, run_dir=str(tmp_path / "run"))
+    run = train(cfg, log=lambda *_: None).run_dir
+    for quant in ("f16", "q8_0"):
+        result = export(run, tmp_path / f"tiny-{quant}.gguf", quant, log=lambda *_: None)
+        assert "merged onto the full-precision (float32) base" in result.source
+        assert result.report.passed, result.report.describe()
