@@ -14,6 +14,7 @@ import torch
 from localrl.errors import UserError
 from quant.gguf_check import CheckReport, check_gguf
 from quant.gguf_writer import QUANT_TYPES, check_architecture, write_gguf
+from quant.modelfile import write_modelfile
 
 
 @dataclass
@@ -66,5 +67,8 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     log(f"exporting {what}")
     write_gguf(model.state_dict(), model.config, tok_dir, tok, out, quant)
     log(f"wrote {out} ({quant}, {out.stat().st_size / 2**20:.1f} MiB)")
+    modelfile = write_modelfile(out, tok, model.config.max_position_embeddings)
+    log(f"wrote {modelfile} (ollama create NAME -f {modelfile})" if modelfile else
+        "no Ollama Modelfile: the chat template is neither ChatML nor Llama 3")
     report = check_gguf(out, model, tok, quant) if check else None
     return ExportResult(out, what, report)

@@ -64,6 +64,15 @@ def test_metadata_reads_back(bpe_models, tmp_path):
     assert "blk.0.attn_q_norm.weight" in names and "output.weight" in names
 
 
+def test_modelfile_beside_the_gguf(bpe_models, tmp_path):
+    out = tmp_path / "m.gguf"
+    export(bpe_models["qwen2"], out, "f16", check=False, log=lambda *_: None)
+    text = (tmp_path / "m.Modelfile").read_text()
+    assert text.startswith("FROM ./m.gguf\n")
+    assert 'TEMPLATE """' in text and "{{ .Role }}" in text and text.count("<|im_start|>assistant") == 1
+    assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER num_ctx 256" in text
+
+
 def test_tied_embeddings_write_no_output_tensor(bpe_models, tmp_path):
     out = tmp_path / "tied.gguf"
     export(bpe_models["qwen2-tied"], out, "f16", check=False, log=lambda *_: None)
@@ -81,7 +90,7 @@ def test_a_failed_write_leaves_no_file(bpe_models, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)  # fails before any Modelfile
     with pytest.raises(RuntimeError, match="disk full"):
         export(bpe_models["qwen2"], tmp_path / "x.gguf", "f16", check=False, log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []
