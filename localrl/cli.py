@@ -4,6 +4,7 @@
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
+    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl bench prompt-cache | grpo-step
 """
@@ -195,6 +196,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0 if result.report.passed else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from localrl.serve import serve
+
+    serve(args.gguf, args.host, args.port, args.api_key, args.n_ctx)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localrl.serve import chat
+
+    chat(args.gguf, args.n_ctx, args.max_tokens, args.system)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,6 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (default f16)")
     p.add_argument("--no-check", action="store_true", help="skip the llama.cpp validation")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("serve", help="serve a GGUF over an OpenAI-compatible HTTP API (llama-cpp-python)")
+    p.add_argument("gguf", help="model file (.gguf)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--n-ctx", type=int, default=2048, help="context length")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="streaming terminal chat with a GGUF")
+    p.add_argument("gguf", help="model file (.gguf)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--n-ctx", type=int, default=2048, help="context length")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
     p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")
