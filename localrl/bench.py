@@ -267,3 +267,35 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
     log(f"whole GRPO step, P={prompt_len} R={completion_len} G={group}: localrl {t_ours:.2f} s, "
         f"TRL GRPOTrainer {t_trl:.2f} s -> localrl {t_trl / t_ours:.2f}x faster")
     return result
+
+
+def bench_export(source: str = "tiny-arith", log=print) -> list[dict]:
+    """Export ``source`` to every quant type; time, file size and the llama.cpp validation figures of each."""
+    import tempfile
+
+    from quant.export import export
+    from quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES
+
+    rows = []
+    log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'max|dlogit|':>11} "
+        f"{'of range':>8} {'greedy':>6} | result")
+    with tempfile.TemporaryDirectory() as tmp:
+        for quant in [*QUANT_TYPES, *K_QUANT_TYPES]:
+            out = Path(tmp) / f"{quant}.gguf"
+            t0 = time.perf_counter()
+            result = export(source, out, quant, check=False, log=lambda *_: None)
+            seconds = time.perf_counter() - t0
+            from quant.export import load_merged
+            from quant.gguf_check import check_gguf
+
+            model, tok, _, _ = load_merged(source)
+            r = check_gguf(result.path, model, tok, quant)
+            row = {"quant": quant, "export_s": seconds, "bytes": out.stat().st_size, "tokens_identical":
+                   r.tokens_identical, "top1": r.top1_agreement, "max_abs_logit_diff": r.max_abs_logit_diff,
+                   "rel_logit_error": r.rel_logit_error, "greedy_identical": r.greedy_identical, "passed": r.passed}
+            rows.append(row)
+            log(f"{quant:<7} {seconds:>8.2f} {row['bytes'] / 2**20:>6.2f} | "
+                f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} "
+                f"{r.max_abs_logit_diff:>11.4f} {r.rel_logit_error:>8.2%} "
+                f"{'same' if r.greedy_identical else 'diff':>6} | {'pass' if r.passed else 'FAIL'}")
+    return rows

@@ -6,7 +6,7 @@
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
-    localrl bench prompt-cache | grpo-step
+    localrl bench prompt-cache | grpo-step | export
 """
 
 from __future__ import annotations
@@ -150,8 +150,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from localrl.bench import bench_grpo_step, bench_prompt_cache
+    from localrl.bench import bench_export, bench_grpo_step, bench_prompt_cache
     from localrl.modeling import pick_device
+
+    if args.what == "export":
+        print("export benchmark: the built-in model to every quant type, validated in llama.cpp "
+              "(export time includes loading the model)")
+        rows = bench_export()
+        if args.json:
+            print(json.dumps(rows))
+        return 0 if all(r["passed"] for r in rows) else 1
 
     if args.what == "grpo-step":
         print("grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G=8, P=1000, R=100, "
@@ -262,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache", "grpo-step"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")

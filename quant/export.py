@@ -13,7 +13,7 @@ import torch
 
 from localrl.errors import UserError
 from quant.gguf_check import CheckReport, check_gguf
-from quant.gguf_writer import QUANT_TYPES, check_architecture, write_gguf
+from quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize, write_gguf
 from quant.modelfile import write_modelfile
 
 
@@ -58,14 +58,23 @@ def load_merged(source: str | Path):
 
 
 def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool = True, log=print) -> ExportResult:
-    if quant not in QUANT_TYPES:
-        raise UserError(f"export: unknown quant type {quant!r}; use one of {', '.join(QUANT_TYPES)}")
+    if quant not in QUANT_TYPES and quant not in K_QUANT_TYPES:
+        raise UserError(f"export: unknown quant type {quant!r}; use one of "
+                        f"{', '.join([*QUANT_TYPES, *K_QUANT_TYPES])}")
     out = Path(out)
     if out.suffix != ".gguf":
         raise UserError(f"export: output {out} should end in .gguf")
     model, tok, tok_dir, what = load_merged(source)
     log(f"exporting {what}")
-    write_gguf(model.state_dict(), model.config, tok_dir, tok, out, quant)
+    if quant in K_QUANT_TYPES:  # llama.cpp's quantizer, from an f16 file written first
+        f16 = out.with_name(f".tmp-f16-{out.name}")
+        try:
+            write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16")
+            llama_cpp_quantize(f16, out, quant)
+        finally:
+            f16.unlink(missing_ok=True)
+    else:
+        write_gguf(model.state_dict(), model.config, tok_dir, tok, out, quant)
     log(f"wrote {out} ({quant}, {out.stat().st_size / 2**20:.1f} MiB)")
     modelfile = write_modelfile(out, tok, model.config.max_position_embeddings)
     log(f"wrote {modelfile} (ollama create NAME -f {modelfile})" if modelfile else

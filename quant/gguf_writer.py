@@ -37,11 +37,32 @@ QUANT_TYPES = {  # name -> (tensor type, file type)
     "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
     "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
 }
+# K-quants: gguf-py only dequantizes them, so they come from llama.cpp's own quantizer
+# (llama-cpp-python's llama_model_quantize) run on an f16 file; name -> llama_ftype.
+K_QUANT_TYPES = {"q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
+                 "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
 # Pre-tokenizer names llama.cpp knows, recognised from the split pattern in tokenizer.json.
 _PRE_BY_PATTERN = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
 }
+
+
+def llama_cpp_quantize(src: Path, out: Path, quant: str) -> Path:
+    """Quantize the GGUF ``src`` to K-quant ``quant`` at ``out`` (atomically) with llama.cpp."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = K_QUANT_TYPES[quant]
+    params.nthread = os.cpu_count() or 1
+    tmp = out.with_name(f".tmp-{out.name}")
+    try:
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {src} to {quant}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def check_architecture(config) -> None:

@@ -73,6 +73,27 @@ def test_modelfile_beside_the_gguf(bpe_models, tmp_path):
     assert 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER num_ctx 256" in text
 
 
+def test_every_metadata_key_written_reads_back(bpe_models, tmp_path, monkeypatch):
+    written = {}
+    original = gguf.GGUFWriter.write_kv_data_to_file
+
+    def record(self):
+        written.update({k: v.value for k, v in self.kv_data[0].items()})
+        return original(self)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_kv_data_to_file", record)
+    out = tmp_path / "all.gguf"
+    export(bpe_models["llama"], out, "q8_0", check=False, log=lambda *_: None)
+    fields = gguf.GGUFReader(out).fields
+    assert len(written) > 20
+    for key, value in written.items():
+        got = fields[key].contents()
+        if isinstance(value, float):
+            assert got == pytest.approx(value, rel=1e-6), key
+        else:
+            assert got == (list(value) if isinstance(value, (list, tuple)) else value), key
+
+
 def test_tied_embeddings_write_no_output_tensor(bpe_models, tmp_path):
     out = tmp_path / "tied.gguf"
     export(bpe_models["qwen2-tied"], out, "f16", check=False, log=lambda *_: None)
@@ -122,7 +143,15 @@ def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tm
 
     cfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, eval_size=0, run_dir=str(tmp_path / "run"))
     run = train(cfg, log=lambda *_: None).run_dir
-    for quant in ("f16", "q8_0"):
+    for quant in ("f16", "q8_0", "q4_0"):
         result = export(run, tmp_path / f"tiny-{quant}.gguf", quant, log=lambda *_: None)
         assert "merged onto the full-precision (float32) base" in result.source
         assert result.report.passed, result.report.describe()
+
+
+def test_k_quant_through_llama_cpps_quantizer(builtin_model, tmp_path):
+    out = tmp_path / "k.gguf"
+    result = export(builtin_model, out, "q4_k_m", log=lambda *_: None)
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert result.report.passed and result.report.tokens_identical and result.report.top1_agreement >= 0.9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.Modelfile", "k.gguf"]  # no f16 or temp file left
