@@ -11,13 +11,16 @@ What llama.cpp expects, and what this writes:
   knows), the bos/eos/pad/end-of-turn ids and the chat template.
 
 The file is written under a temporary name and renamed when complete.
-Deliberate limits: BPE (tokenizer.json) vocabularies only; rope scaling other than none is
+- rope scaling: linear as scaling keys, Llama 3 as a ``rope_freqs`` tensor.
+
+Deliberate limits: BPE (tokenizer.json) vocabularies only; other rope scalings (YaRN...) are
 refused rather than written half right.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -69,10 +72,30 @@ def check_architecture(config) -> None:
     if config.model_type not in ARCHITECTURES:
         raise UserError(f"export: unsupported architecture {config.model_type!r}; "
                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    scaling = getattr(config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in ("default", None):
-        raise UserError(f"export: rope scaling {kind!r} is not supported by this writer yet")
+    kind = _rope(config).get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3"):
+        raise UserError(f"export: rope scaling {kind!r} is not supported yet (default, linear and llama3 are)")
+
+
+def _rope(config) -> dict:
+    """The config's rotary settings (transformers 5 keeps them in ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "type" in params and "rope_type" not in params:
+        params = {**params, "rope_type": params["type"]}
+    return params
+
+
+def llama3_rope_factors(params: dict, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 rope scaling, as llama.cpp reads them from ``rope_freqs``."""
+    base, factor = params.get("rope_theta", 10000.0), params["factor"]
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_len = params.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid))
+    return out.astype(np.float32)
 
 
 def _permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -173,6 +196,13 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path,
             writer.add_value_length(head_dim)
         if arch == gguf.MODEL_ARCH.LLAMA:
             writer.add_rope_dimension_count(head_dim)
+        rope = _rope(config)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        elif rope.get("rope_type") == "llama3":  # a per-frequency tensor, not scaling keys
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                              llama3_rope_factors(rope, head_dim))
         writer.add_file_type(gguf.LlamaFileType[file_type])
         _add_vocab(writer, Path(tokenizer_dir), tok, config.vocab_size)
 

@@ -155,3 +155,41 @@ def test_k_quant_through_llama_cpps_quantizer(builtin_model, tmp_path):
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
     assert result.report.passed and result.report.tokens_identical and result.report.top1_agreement >= 0.9
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.Modelfile", "k.gguf"]  # no f16 or temp file left
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+}
+
+
+def _rope_model(tmp_path, params):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters=params, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_is_written_and_needed(tmp_path, monkeypatch, kind):
+    model = _rope_model(tmp_path, ROPE_SCALINGS[kind])
+    assert export(model, tmp_path / "ok.gguf", "f32", log=lambda *_: None).report.passed
+    monkeypatch.setattr(gguf_writer, "_rope", lambda config: {})  # the same export without the scaling
+    assert not export(model, tmp_path / "bad.gguf", "f32", log=lambda *_: None).report.passed
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    model = _rope_model(tmp_path, {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 64})
+    with pytest.raises(UserError, match="rope scaling 'yarn' is not supported yet"):
+        export(model, tmp_path / "x.gguf", log=lambda *_: None)
