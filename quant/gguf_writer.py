@@ -124,6 +124,9 @@ def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
     # The tokenizer as transformers runs it: its class may replace the file's pre-tokenizer
     # (Qwen2's splits digits one by one), and llama.cpp must split text the same way.
     tokenizer_json = json.loads(backend.to_str())
+    if (tokenizer_json.get("model") or {}).get("byte_fallback"):
+        raise UserError("export: SentencePiece-style vocabularies (byte fallback, as in Llama 2 and Mistral) "
+                        "are not supported yet; only GPT-2-style byte-level BPE is")
     if (tokenizer_json.get("model") or {}).get("type") != "BPE":
         raise UserError("export: only BPE tokenizers (tokenizer.json with a BPE model) are supported")
     by_id = {i: t for t, i in tok.get_vocab().items()}

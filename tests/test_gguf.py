@@ -193,3 +193,19 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
                                    "original_max_position_embeddings": 64})
     with pytest.raises(UserError, match="rope scaling 'yarn' is not supported yet"):
         export(model, tmp_path / "x.gguf", log=lambda *_: None)
+
+
+def test_sentencepiece_style_vocabulary_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}, "▁a": 259}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [], byte_fallback=True)),
+                                  eos_token="</s>", unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with pytest.raises(UserError, match="SentencePiece-style vocabularies"):
+        export(tmp_path / "m", tmp_path / "x.gguf", log=lambda *_: None)
+    assert not (tmp_path / "x.gguf").exists()
