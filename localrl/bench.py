@@ -25,6 +25,9 @@ from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
 PROMPT_CACHE_SHAPES = [(1000, 100, 8), (4000, 64, 8)]
+# The Qwen2-style model both timing benchmarks use (random weights; ~3M parameters besides embeddings).
+BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2, max_position_embeddings=8192)
 
 
 def _rss_kib(field: str) -> int:
@@ -93,8 +96,7 @@ def bench_model(device: torch.device, load_in_4bit: bool = True):
 
     from localrl.modeling import load_base
 
-    config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    config = Qwen2Config(vocab_size=8192, **BENCH_SHAPE)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
@@ -166,9 +168,8 @@ def _bench_policy_dir(root: Path, vocab_tokenizer) -> Path:
 
     tok = vocab_tokenizer
     tok.chat_template = None  # prompts are raw text, so both trainers see exactly P tokens
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None, **BENCH_SHAPE)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root)
     tok.save_pretrained(root)
@@ -273,9 +274,11 @@ def bench_export(source: str = "tiny-arith", log=print) -> list[dict]:
     """Export ``source`` to every quant type; time, file size and the llama.cpp validation figures of each."""
     import tempfile
 
-    from quant.export import export
+    from quant.export import export, load_merged
+    from quant.gguf_check import check_gguf
     from quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES
 
+    model, tok, _, _ = load_merged(source)  # the torch reference every file is compared with
     rows = []
     log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'max|dlogit|':>11} "
         f"{'of range':>8} {'greedy':>6} | result")
@@ -285,10 +288,6 @@ def bench_export(source: str = "tiny-arith", log=print) -> list[dict]:
             t0 = time.perf_counter()
             result = export(source, out, quant, check=False, log=lambda *_: None)
             seconds = time.perf_counter() - t0
-            from quant.export import load_merged
-            from quant.gguf_check import check_gguf
-
-            model, tok, _, _ = load_merged(source)
             r = check_gguf(result.path, model, tok, quant)
             row = {"quant": quant, "export_s": seconds, "bytes": out.stat().st_size, "tokens_identical":
                    r.tokens_identical, "top1": r.top1_agreement, "max_abs_logit_diff": r.max_abs_logit_diff,

@@ -6,8 +6,8 @@ The prediction counts bytes the way the training step holds them (prompt_cache.p
                 + LoRA parameters, gradients and two AdamW moments (fp32)
     prompt      saved activations of the prompt pass for all B prompts, their key/value
                 tensors, and the gradients those accumulate (held until the step ends)
-    completion  saved activations of one micro-batch of completions, including the
-                per-row copy of the prompt keys/values that attention saves
+    completion  saved activations of one micro-batch of completions, including the copy of
+                the prompt keys/values that attention saves once per packed sequence
     logits      one chunk of [tokens, vocab] float32 logits, alive in forward and backward
 
 Saved activations per token and layer follow a Llama-family decoder with LoRA on every
@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from localrl.errors import UserError
 
 GIB = 2**30
-LORA_TARGETS_PER_LAYER = 7
 CHUNK_CHOICES = (1024, 512, 256, 128)  # larger chunks buy no speed, only memory
 
 
@@ -179,10 +178,6 @@ def read_shape(model: str) -> ModelShape:
         return ModelShape.from_config(config)
     except (TypeError, KeyError):
         raise UserError(f"model {model!r}: config.json lacks the sizes a planner needs") from None
-
-
-def plan_as_dict(plan: Plan) -> dict:
-    return asdict(plan)
 
 
 class MemoryBudget:

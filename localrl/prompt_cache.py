@@ -52,9 +52,14 @@ class _PrefixLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
+def _causal_lm(model) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder backbone returning hidden states, output head) of a causal LM, PEFT-wrapped or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _causal_lm(model)
     return base.model, base.get_output_embeddings()
 
 
@@ -212,7 +217,7 @@ def enable_checkpointing(model) -> None:
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _causal_lm(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for module in base.modules():
         if isinstance(module, GradientCheckpointingLayer):

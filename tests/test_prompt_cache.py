@@ -31,6 +31,16 @@ def randomise_lora(model):
             torch.nn.init.normal_(p, std=0.2, generator=g)
 
 
+def lora_policy(model_dir, four_bit: bool = True):
+    """A tiny model with LoRA whose B weights are non-zero, so gradients reach every adapter weight."""
+    cfg = TrainConfig(model=str(model_dir), load_in_4bit=four_bit).validate()
+    torch.manual_seed(0)
+    model, tok = load_policy(cfg, pick_device("cpu"))
+    randomise_lora(model)
+    model.train()
+    return model, make_rollout(len(tok), tok.pad_token_id)
+
+
 def logprobs_and_grads(model, rollout, forward_cls, micro_batch: int):
     model.zero_grad(set_to_none=True)
     weights = torch.linspace(-1, 1, rollout.completion_ids.numel()).reshape(rollout.completion_ids.shape)
@@ -62,12 +72,7 @@ def assert_same(naive, cached, mask):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("four_bit", [True, False])
 def test_lora_logprobs_and_gradients_match_the_naive_path(tiny_models, arch, four_bit):
-    cfg = TrainConfig(model=str(tiny_models[arch]), load_in_4bit=four_bit).validate()
-    torch.manual_seed(0)
-    model, tok = load_policy(cfg, pick_device("cpu"))
-    randomise_lora(model)
-    model.train()
-    rollout = make_rollout(len(tok), tok.pad_token_id)
+    model, rollout = lora_policy(tiny_models[arch], four_bit)
     naive = logprobs_and_grads(model, rollout, ConcatForward, micro_batch=9)
     cached = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)  # crosses prompt groups
     assert_same(naive, cached, rollout.completion_mask)
@@ -87,12 +92,7 @@ def test_full_precision_all_parameter_gradients_match(tiny_models, arch):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_models):
-    cfg = TrainConfig(model=str(tiny_models["qwen2"])).validate()
-    torch.manual_seed(0)
-    model, tok = load_policy(cfg, pick_device("cpu"))
-    randomise_lora(model)
-    model.train()
-    rollout = make_rollout(len(tok), tok.pad_token_id)
+    model, rollout = lora_policy(tiny_models["qwen2"])
     plain = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)
     from localrl.prompt_cache import enable_checkpointing
 
