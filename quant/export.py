@@ -13,7 +13,8 @@ import torch
 
 from localrl.errors import UserError
 from quant.gguf_check import CheckReport, check_gguf
-from quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize, write_gguf
+from quant.gguf_writer import (K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize, vocab_kind,
+                               write_gguf)
 from quant.modelfile import write_modelfile
 
 
@@ -24,12 +25,25 @@ class ExportResult:
     report: CheckReport | None
 
 
+def _checked_tokenizer(path: str, config):
+    """The tokenizer, once the architecture and vocabulary are known to be exportable (before any weights load)."""
+    from localrl.modeling import load_tokenizer
+
+    check_architecture(config)
+    try:
+        tok = load_tokenizer(path)
+    except (OSError, ValueError, ImportError) as e:
+        raise UserError(f"export: cannot load the tokenizer of {path} ({str(e).strip().splitlines()[0]})") from None
+    vocab_kind(tok)
+    return tok
+
+
 def load_merged(source: str | Path):
     """(merged full-precision model, tokenizer, tokenizer dir, description of the weights used)."""
     from transformers import AutoModelForCausalLM
 
     from localrl.checkpoint import latest_checkpoint
-    from localrl.modeling import load_config, load_tokenizer
+    from localrl.modeling import load_config
 
     src = Path(source)
     if (src / "config.toml").is_file():  # a run directory
@@ -42,7 +56,7 @@ def load_merged(source: str | Path):
         if ckpt is None:
             raise UserError(f"export {src}: the run has no adapter checkpoint")
         path, config = load_config(cfg.model)
-        check_architecture(config)
+        tok = _checked_tokenizer(path, config)
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
@@ -51,10 +65,10 @@ def load_merged(source: str | Path):
         what = f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
     else:
         path, config = load_config(str(source))
-        check_architecture(config)
+        tok = _checked_tokenizer(path, config)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         what = f"full-precision (float32) weights of {path}"
-    return model.eval(), load_tokenizer(path), Path(path), what
+    return model.eval(), tok, Path(path), what
 
 
 def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool = True, log=print) -> ExportResult:

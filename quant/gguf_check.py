@@ -21,7 +21,7 @@ import torch
 TOP1_REQUIRED = {"f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 0.95}
 CLOSENESS_REQUIRED = {"f32": 0.003, "f16": 0.003, "bf16": 0.02}  # max |logit diff| / logit range
 GREEDY_REQUIRED = {"f32", "f16"}
-SAMPLE_TEXT = "Hello world! What is 457 + 68? <think>7+8=15</think><answer>525</answer>\n  tabs\tand é ü 中文"
+SAMPLE_TEXT = "Hello world! What is 457 + 68? Add the units, then the tens. <think>7+8=15</think><answer>525</answer>\n  tabs\tand é ü 中文"
 SAMPLE_QUESTIONS = ["What is 457 + 68?", "What is 9 + 1234?", "Name three colours.", "What is 70 + 35?"]
 
 
@@ -53,15 +53,13 @@ class CheckReport:
 
 
 def sample_prompts(tok) -> list[list[int]]:
-    """Token ids of a few chat prompts (raw text where the tokenizer has no template)."""
-    out = []
-    for q in SAMPLE_QUESTIONS:
-        if tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        else:
-            text = q
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
+    """Token ids of a few chat prompts; without a chat template, the raw questions and the sample
+    text (the questions alone are too few positions to judge top-1 agreement on)."""
+    if not tok.chat_template:
+        return [tok(text, add_special_tokens=False)["input_ids"] for text in [*SAMPLE_QUESTIONS, SAMPLE_TEXT]]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in SAMPLE_QUESTIONS]
+    return [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def _torch_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -7,13 +7,15 @@ What llama.cpp expects, and what this writes:
   converter does the same); Qwen2/Qwen3 use NEOX rotary and stay as they are; Qwen3 adds
   the q/k norms;
 - tied embeddings: no ``output.weight``, llama.cpp reuses ``token_embd``;
-- a GPT-2-style BPE vocabulary (tokens, token types, merges, a pre-tokenizer name llama.cpp
-  knows), the bos/eos/pad/end-of-turn ids and the chat template.
+- the vocabulary as llama.cpp tokenizes it: GPT-2-style byte-level BPE (tokens, token types,
+  merges, a pre-tokenizer name llama.cpp knows) or SentencePiece-style BPE with byte fallback
+  (tokens, scores ranked like the merges, byte and unknown token types, the space prefix);
+  the bos/eos/pad/end-of-turn ids, whether bos/eos are added, and the chat template.
 
 The file is written under a temporary name and renamed when complete.
 - rope scaling: linear as scaling keys, Llama 3 as a ``rope_freqs`` tensor.
 
-Deliberate limits: BPE (tokenizer.json) vocabularies only; other rope scalings (YaRN...) are
+Deliberate limits: BPE vocabularies only (no Unigram or WordPiece); other rope scalings (YaRN...) are
 refused rather than written half right.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,20 +118,59 @@ def _pre_tokenizer(tokenizer_json: dict) -> str:
     return "default"
 
 
+def vocab_kind(tok) -> str:
+    """The llama.cpp tokenizer model for ``tok``: "gpt2" (byte-level BPE, as in Llama 3 and Qwen)
+    or "llama" (SentencePiece-style BPE with byte fallback, as in Llama 2 and Mistral)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise UserError("export: the tokenizer has no tokenizer.json form (a fast tokenizer); "
+                        "only BPE vocabularies are supported")
+    model = json.loads(backend.to_str()).get("model") or {}
+    if model.get("type") != "BPE":
+        raise UserError(f"export: {model.get('type')} tokenizers are not supported; only BPE vocabularies "
+                        "(byte-level or SentencePiece-style with byte fallback) are")
+    return "llama" if model.get("byte_fallback") else "gpt2"
+
+
+def _merge_pairs(tokenizer_json: dict) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in tokenizer_json["model"]["merges"]]
+
+
+def _spm_scores(tokens: list[str], tokenizer_json: dict) -> list[float]:
+    """SentencePiece-style scores: llama.cpp merges the adjacent pair whose union scores highest,
+    so a piece scores minus the rank of the first merge that makes it; pieces no merge makes
+    (characters, bytes, specials) score below every merge."""
+    pairs = _merge_pairs(tokenizer_json)
+    rank: dict[str, int] = {}
+    for r, (a, b) in enumerate(pairs):
+        rank.setdefault(a + b, r)
+    return [-float(rank.get(t, len(pairs))) for t in tokens]
+
+
+def _adds_space_prefix(tokenizer_json: dict) -> bool:
+    """Whether the tokenizer puts "▁" before the text (Metaspace, or Llama 2's Prepend normalizer)."""
+    parts = []
+    for key in ("normalizer", "pre_tokenizer"):
+        part = tokenizer_json.get(key) or {}
+        parts += part.get("normalizers", part.get("pretokenizers", [part]))
+    return any((p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never")
+               or (p.get("type") == "Prepend" and p.get("prepend") == "\u2581") for p in parts)
+
+
+def _adds_specials(tok) -> tuple[bool, bool]:
+    """(adds bos, adds eos) as the tokenizer behaves when asked to add special tokens."""
+    ids = tok("a")["input_ids"]
+    return (tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id],
+            tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id])
+
+
 def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
     import gguf
 
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        raise UserError(f"export: {tokenizer_dir} has no fast tokenizer (only BPE tokenizer.json is supported)")
+    kind = vocab_kind(tok)
     # The tokenizer as transformers runs it: its class may replace the file's pre-tokenizer
     # (Qwen2's splits digits one by one), and llama.cpp must split text the same way.
-    tokenizer_json = json.loads(backend.to_str())
-    if (tokenizer_json.get("model") or {}).get("byte_fallback"):
-        raise UserError("export: SentencePiece-style vocabularies (byte fallback, as in Llama 2 and Mistral) "
-                        "are not supported yet; only GPT-2-style byte-level BPE is")
-    if (tokenizer_json.get("model") or {}).get("type") != "BPE":
-        raise UserError("export: only BPE tokenizers (tokenizer.json with a BPE model) are supported")
+    tokenizer_json = json.loads(tok.backend_tokenizer.to_str())
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
     tokens, types = [], []
@@ -142,12 +184,24 @@ def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
         else:  # embedding rows beyond the tokenizer
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(tokenizer_json))
+        if kind == "llama" and i == tok.unk_token_id:
+            types[-1] = gguf.TokenType.UNKNOWN
+        elif kind == "llama" and re.fullmatch(r"<0x[0-9A-F]{2}>", tokens[-1]):
+            types[-1] = gguf.TokenType.BYTE
+    writer.add_tokenizer_model(kind)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(str(tokenizer_dir), load_merges=True, n_vocab=len(tokens))
+    if kind == "gpt2":
+        writer.add_tokenizer_pre(_pre_tokenizer(tokenizer_json))
+    else:
+        writer.add_token_scores(_spm_scores(tokens, tokenizer_json))
+        writer.add_add_space_prefix(_adds_space_prefix(tokenizer_json))
+    special = gguf.SpecialVocab(str(tokenizer_dir), load_merges=kind == "gpt2", n_vocab=len(tokens))
+    special.add_special_token = {}  # written below from how the tokenizer behaves, not its config
     special.add_to_gguf(writer, quiet=True)
+    add_bos, add_eos = _adds_specials(tok)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(add_eos)
     if tok.chat_template and "<|im_end|>" in tokens:  # ChatML: the end of a turn
         writer.add_eot_token_id(tokens.index("<|im_end|>"))
 

@@ -14,16 +14,21 @@ from tests.conftest import make_tiny_model
 
 @pytest.fixture(scope="module")
 def bpe_models(tmp_path_factory):
-    """Tiny random models of each family with a trained BPE tokenizer; one with tied embeddings."""
+    """Tiny random models of each family with a trained BPE tokenizer; one with tied embeddings;
+    Llama 2 and Mistral style ones with a SentencePiece tokenizer (one with ChatML tokens added)."""
     root = tmp_path_factory.mktemp("bpe-models")
-    models = {arch: make_tiny_model(root / arch, arch, trained_tokenizer=True)
+    models = {arch: make_tiny_model(root / arch, arch, tokenizer="bpe")
               for arch in ("llama", "mistral", "qwen2", "qwen3")}
-    models["qwen2-tied"] = make_tiny_model(root / "qwen2-tied", "qwen2", tie=True, trained_tokenizer=True)
+    models["qwen2-tied"] = make_tiny_model(root / "qwen2-tied", "qwen2", tie=True, tokenizer="bpe")
+    models["llama3-bpe"] = make_tiny_model(root / "llama3-bpe", "llama", tokenizer="bpe-llama3")
+    models["llama-spm"] = make_tiny_model(root / "llama-spm", "llama", tokenizer="spm")
+    models["mistral-spm-chatml"] = make_tiny_model(root / "mistral-spm-chatml", "mistral", tokenizer="spm-chatml")
     return models
 
 
 @pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_0"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen2-tied"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen2-tied", "llama3-bpe", "llama-spm",
+                                  "mistral-spm-chatml"])
 def test_export_passes_llama_cpp_validation(bpe_models, tmp_path, name, quant):
     out = tmp_path / f"{name}.gguf"
     result = export(bpe_models[name], out, quant, log=lambda *_: None)
@@ -195,17 +200,58 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
         export(model, tmp_path / "x.gguf", log=lambda *_: None)
 
 
-def test_sentencepiece_style_vocabulary_is_refused(tmp_path):
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+def _read_fields(path) -> dict:
+    reader = gguf.GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items()}
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}, "▁a": 259}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [], byte_fallback=True)),
-                                  eos_token="</s>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+
+@pytest.mark.parametrize("name, pre", [("llama", "gpt-2"), ("qwen2", "qwen2"), ("llama3-bpe", "llama-bpe")])
+def test_pre_tokenizer_name(bpe_models, tmp_path, name, pre):
+    fields = _read_fields(export(bpe_models[name], tmp_path / "x.gguf", check=False, log=lambda *_: None).path)
+    assert fields["tokenizer.ggml.pre"] == pre
+
+
+def test_sentencepiece_vocabulary_metadata(bpe_models, tmp_path):
+    from transformers import AutoTokenizer
+
+    fields = _read_fields(export(bpe_models["llama-spm"], tmp_path / "spm.gguf", check=False, log=lambda *_: None).path)
+    tok = AutoTokenizer.from_pretrained(bpe_models["llama-spm"])
+    tokens, types, scores = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in fields
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"] and types[:3] == [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL,
+                                                                      gguf.TokenType.CONTROL]
+    assert tokens[3:259] == [f"<0x{i:02X}>" for i in range(256)] and set(types[3:259]) == {gguf.TokenType.BYTE}
+    # merged pieces score in merge order, as in the SentencePiece model they came from
+    import sentencepiece
+
+    spm = sentencepiece.SentencePieceProcessor(model_file=str(bpe_models["llama-spm"].with_name("llama-spm-spm")
+                                                              / "tokenizer.model"))
+    merged = [i for i in range(259, spm.get_piece_size()) if len(tokens[i]) > 1]
+    assert [tokens[i] for i in merged] == [spm.id_to_piece(i) for i in merged]
+    assert sorted(merged, key=lambda i: -scores[i]) == sorted(merged, key=lambda i: -spm.get_score(i))
+    assert fields["tokenizer.ggml.add_space_prefix"] is True
+    assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.add_eos_token"] is False
+    assert fields["tokenizer.ggml.bos_token_id"] == tok.bos_token_id == 1
+    assert fields["tokenizer.ggml.unknown_token_id"] == 0
+
+
+def test_sentencepiece_scores_decide_tokenisation(bpe_models, tmp_path, monkeypatch):
+    """Equal scores (what a converter writes when it has none) make llama.cpp merge in the wrong order."""
+    monkeypatch.setattr(gguf_writer, "_spm_scores", lambda tokens, _: [-1000.0] * len(tokens))
+    report = export(bpe_models["llama-spm"], tmp_path / "flat.gguf", log=lambda *_: None).report
+    assert not report.tokens_identical and "tokenisation differs" in report.failures
+
+
+def test_unsupported_vocabulary_is_refused_before_weights_load(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = [("<unk>", 0.0), ("▁a", -1.0), ("a", -2.0)]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.Unigram(vocab, unk_id=0)), unk_token="<unk>")
+    LlamaConfig(vocab_size=3, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    with pytest.raises(UserError, match="SentencePiece-style vocabularies"):
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"not weights")  # never read
+    with pytest.raises(UserError, match="Unigram tokenizers are not supported"):
         export(tmp_path / "m", tmp_path / "x.gguf", log=lambda *_: None)
     assert not (tmp_path / "x.gguf").exists()
