@@ -12,11 +12,12 @@ What llama.cpp expects, and what this writes:
   (tokens, scores ranked like the merges, byte and unknown token types, the space prefix);
   the bos/eos/pad/end-of-turn ids, whether bos/eos are added, and the chat template.
 
-The file is written under a temporary name and renamed when complete.
-- rope scaling: linear as scaling keys, Llama 3 as a ``rope_freqs`` tensor.
+- rope scaling: linear and YaRN as scaling keys, Llama 3 as a ``rope_freqs`` tensor.
 
-Deliberate limits: BPE vocabularies only (no Unigram or WordPiece); other rope scalings (YaRN...) are
-refused rather than written half right.
+The file is written under a temporary name and renamed when complete.
+
+Deliberate limits: BPE vocabularies only (no Unigram or WordPiece); other rope scalings
+(dynamic, longrope...) are refused rather than written half right.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ QUANT_TYPES = {  # name -> (tensor type, file type)
     "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
     "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
 }
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None,
+                 "mscale_all_dim": None, "truncate": True}
 # K-quants: gguf-py only dequantizes them, so they come from llama.cpp's own quantizer
 # (llama-cpp-python's llama_model_quantize) run on an f16 file; name -> llama_ftype.
 K_QUANT_TYPES = {"q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
@@ -75,9 +78,15 @@ def check_architecture(config) -> None:
     if config.model_type not in ARCHITECTURES:
         raise UserError(f"export: unsupported architecture {config.model_type!r}; "
                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    kind = _rope(config).get("rope_type", "default")
-    if kind not in ("default", "linear", "llama3"):
-        raise UserError(f"export: rope scaling {kind!r} is not supported yet (default, linear and llama3 are)")
+    rope = _rope(config)
+    kind = rope.get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise UserError(f"export: rope scaling {kind!r} is not supported yet (default, linear, llama3 and yarn are)")
+    # llama.cpp reads no YaRN betas or attention factors for these architectures: only the defaults match.
+    custom = {k: rope[k] for k, default in YARN_DEFAULTS.items() if rope.get(k, default) != default}
+    if kind == "yarn" and custom:
+        raise UserError(f"export: YaRN with {custom} is not supported (llama.cpp uses {YARN_DEFAULTS} for "
+                        f"{config.model_type})")
 
 
 def _rope(config) -> dict:
@@ -257,6 +266,11 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path,
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))
+        elif rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+            writer.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
+                                                     or config.max_position_embeddings))
         elif rope.get("rope_type") == "llama3":  # a per-frequency tensor, not scaling keys
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                               llama3_rope_factors(rope, head_dim))

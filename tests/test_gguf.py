@@ -166,6 +166,8 @@ ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "yarn-8x": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
 }
 
 
@@ -193,10 +195,14 @@ def test_rope_scaling_is_written_and_needed(tmp_path, monkeypatch, kind):
     assert not export(model, tmp_path / "bad.gguf", "f32", log=lambda *_: None).report.passed
 
 
-def test_unsupported_rope_scaling_is_refused(tmp_path):
-    model = _rope_model(tmp_path, {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                   "original_max_position_embeddings": 64})
-    with pytest.raises(UserError, match="rope scaling 'yarn' is not supported yet"):
+@pytest.mark.parametrize("params, message", [
+    ({"rope_type": "dynamic", "factor": 4.0}, "rope scaling 'dynamic' is not supported yet"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0},
+     "YaRN with {'beta_fast': 16.0} is not supported"),
+])
+def test_unsupported_rope_scaling_is_refused(tmp_path, params, message):
+    model = _rope_model(tmp_path, {**params, "rope_theta": 10000.0})
+    with pytest.raises(UserError, match=message):
         export(model, tmp_path / "x.gguf", log=lambda *_: None)
 
 
