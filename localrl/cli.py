@@ -4,7 +4,8 @@
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
-    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf
+    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL
+    localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl bench prompt-cache | grpo-step | export
 """
@@ -214,7 +215,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from localrl.serve import chat
 
-    chat(args.gguf, args.n_ctx, args.max_tokens, args.system)
+    chat(args.source, args.n_ctx, args.max_tokens, args.system, args.temperature)
+    return 0
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    from tui.app import run_tui
+
+    run_tui(args.attach, args.model, args.workdir, args.runs_dir)
     return 0
 
 
@@ -250,12 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=2048, help="context length")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("chat", help="streaming terminal chat with a GGUF")
-    p.add_argument("gguf", help="model file (.gguf)")
+    p = sub.add_parser("chat", help="streaming terminal chat with a GGUF, a run or a model")
+    p.add_argument("source", help="model file (.gguf), run directory, model directory or built-in name")
+    p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (0: greedy)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--n-ctx", type=int, default=2048, help="context length")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("tui", help="terminal UI: train and watch runs, chat with a model, a terminal agent")
+    p.add_argument("--attach", default=None, metavar="RUN_DIR", help="watch a run started elsewhere")
+    p.add_argument("--model", default=None, help="chat model to load: FILE.gguf, run directory, model or built-in name")
+    p.add_argument("--workdir", default=".", help="the agent's working directory")
+    p.add_argument("--runs-dir", default="runs", help="where runs started from the UI go")
+    p.set_defaults(func=cmd_tui)
 
     p = sub.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
     p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")

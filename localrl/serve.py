@@ -95,13 +95,13 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-def chat(path: str | Path, n_ctx: int = 2048, max_tokens: int = 512, system: str | None = None,
-         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
-    """A plain streaming chat: one user line per turn; an empty line, EOF or /exit ends it."""
-    from llama_cpp import Llama
+def chat(source: str | Path, n_ctx: int = 2048, max_tokens: int = 512, system: str | None = None,
+         temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+    """A plain streaming chat with a GGUF, a run or a model: one user line per turn; an empty
+    line, EOF or /exit ends it."""
+    from localrl.chat import open_chat_model
 
-    p = check_gguf_file(path)
-    llm = Llama(model_path=str(p), n_ctx=n_ctx, verbose=False)
+    model = open_chat_model(source, n_ctx)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
     while True:
@@ -113,11 +113,10 @@ def chat(path: str | Path, n_ctx: int = 2048, max_tokens: int = 512, system: str
             break
         messages.append({"role": "user", "content": line.rstrip("\n")})
         reply = []
-        for chunk in llm.create_chat_completion(messages=messages, max_tokens=max_tokens, stream=True):
-            delta = chunk["choices"][0]["delta"].get("content") or ""
+        for delta in model.stream(messages, max_tokens=max_tokens, temperature=temperature):
             reply.append(delta)
             stdout.write(delta)
             stdout.flush()
         stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
-    llm.close()
+    model.close()

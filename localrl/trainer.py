@@ -33,7 +33,7 @@ from localrl.evaluate import columns_of, evaluate
 from localrl.losses import grpo_loss, group_advantages
 from localrl.memory import MemoryBudget
 from localrl.metrics import Listener, MetricsSink, read_metrics, rewrite_metrics
-from localrl.modeling import load_policy, pick_device
+from localrl.modeling import load_policy, pick_device, resolve_model
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rewards import RewardFn, combine, format_reward, resolve_reward, score
 from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
@@ -137,12 +137,19 @@ def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainCo
     return cfg
 
 
+def preflight(cfg: TrainConfig):
+    """The checks a run makes before any weights load (config, reward, data, model name); returns the task."""
+    cfg.validate()
+    resolve_reward(cfg.reward)
+    resolve_model(cfg.model)
+    return load_task(cfg.data, cfg.eval_data, cfg.eval_size)
+
+
 def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None,
           listeners: list[Listener] | tuple = (), resume: bool = False, log=print) -> RunResult:
     """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint."""
-    cfg.validate()
+    task = preflight(cfg)  # bad config, data or model name stops here, before the model loads
     reward_fns, weights = rewards or default_rewards(cfg)
-    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size)  # bad data stops here, before the model loads
     run_dir = Path(cfg.run_dir) if resume else _new_run_dir(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -243,4 +250,14 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
         "micro_batch": micro_batch or rollout.completion_ids.size(0),
+        "peak_mem_mb": _peak_memory_mb(device),
     }
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or on CPU the process's peak resident set (what a watcher can act on)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

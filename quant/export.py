@@ -25,21 +25,25 @@ class ExportResult:
     report: CheckReport | None
 
 
-def _checked_tokenizer(path: str, config):
-    """The tokenizer, once the architecture and vocabulary are known to be exportable (before any weights load)."""
+def _checked_tokenizer(path: str, config, exportable: bool):
+    """The tokenizer, once (if ``exportable``) the architecture and vocabulary are known to be
+    exportable: before any weights load."""
     from localrl.modeling import load_tokenizer
 
-    check_architecture(config)
+    if exportable:
+        check_architecture(config)
     try:
         tok = load_tokenizer(path)
     except (OSError, ValueError, ImportError) as e:
-        raise UserError(f"export: cannot load the tokenizer of {path} ({str(e).strip().splitlines()[0]})") from None
-    vocab_kind(tok)
+        raise UserError(f"model {path}: cannot load its tokenizer ({str(e).strip().splitlines()[0]})") from None
+    if exportable:
+        vocab_kind(tok)
     return tok
 
 
-def load_merged(source: str | Path):
-    """(merged full-precision model, tokenizer, tokenizer dir, description of the weights used)."""
+def load_merged(source: str | Path, exportable: bool = True):
+    """(merged full-precision model, tokenizer, tokenizer dir, description of the weights used);
+    ``exportable`` first checks that the architecture and vocabulary can be written to GGUF."""
     from transformers import AutoModelForCausalLM
 
     from localrl.checkpoint import latest_checkpoint
@@ -54,18 +58,18 @@ def load_merged(source: str | Path):
         cfg = resume_config(src)
         ckpt = latest_checkpoint(src)
         if ckpt is None:
-            raise UserError(f"export {src}: the run has no adapter checkpoint")
+            raise UserError(f"run {src}: the run has no adapter checkpoint")
         path, config = load_config(cfg.model)
-        tok = _checked_tokenizer(path, config)
+        tok = _checked_tokenizer(path, config, exportable)
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
         except Exception as e:  # a damaged adapter: one line, not a traceback
-            raise UserError(f"export {src}: adapter {ckpt.name} cannot be loaded ({str(e).splitlines()[0]})") from None
+            raise UserError(f"run {src}: adapter {ckpt.name} cannot be loaded ({str(e).splitlines()[0]})") from None
         what = f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
     else:
         path, config = load_config(str(source))
-        tok = _checked_tokenizer(path, config)
+        tok = _checked_tokenizer(path, config, exportable)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         what = f"full-precision (float32) weights of {path}"
     return model.eval(), tok, Path(path), what

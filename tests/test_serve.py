@@ -102,3 +102,23 @@ def test_serve_rejects_a_file_that_is_not_gguf(tmp_path):
     bad.write_text("not a model")
     proc = subprocess.run([sys.executable, "-m", "localrl.cli", "serve", str(bad)], capture_output=True, text=True)
     assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
+
+
+def test_terminal_chat_with_a_torch_model(builtin_model):
+    proc = subprocess.run([sys.executable, "-m", "localrl.cli", "chat", str(builtin_model), "--max-tokens", "60",
+                           "--temperature", "0"], input="What is 12 + 34?\n", capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "<answer>" in proc.stdout and "</answer>" in proc.stdout
+
+
+def test_torch_chat_streams_the_greedy_reply_piece_by_piece(builtin_model):
+    from localrl.chat import open_chat_model
+
+    model = open_chat_model(str(builtin_model))
+    messages = [{"role": "user", "content": "What is 12 + 34?"}]
+    pieces = list(model.stream(messages, max_tokens=40))
+    ids = model.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=sorted(model.stops))
+    whole = model.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert len(pieces) > 5 and "".join(pieces) == whole

@@ -16,7 +16,7 @@ from localrl.errors import UserError
 from localrl.metrics import read_metrics
 from localrl.trainer import resume_config, train
 
-TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time"}
+TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb"}  # vary run to run
 QUIET = {"log": lambda *_: None}
 
 

@@ -1,0 +1,53 @@
+"""The terminal-agent protocol: how a model asks for a shell command and how it hears the result.
+
+The model writes Hermes/Qwen-style tool calls, which instruct models of that lineage already
+produce:
+
+    <tool_call>{"name": "shell", "arguments": {"command": "ls -la"}}</tool_call>
+
+and each result comes back in the next user turn inside ``<tool_response>`` tags (a plain
+user message, so any chat template can carry it). Running the command, and asking the user
+first, is the caller's business (``localrl.sandbox``, the TUI's Agent screen).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+SYSTEM_PROMPT = """You are a terminal agent working in the directory {workdir}.
+To run a shell command, write exactly one tool call and stop:
+<tool_call>{{"name": "shell", "arguments": {{"command": "COMMAND"}}}}</tool_call>
+The user approves or rejects every command. Its output comes back inside <tool_response> tags.
+When the task is done, answer without a tool call."""
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def system_message(workdir: str) -> dict:
+    return {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir)}
+
+
+def parse_tool_calls(text: str) -> list[str]:
+    """The shell commands requested in ``text``; malformed calls are skipped."""
+    commands = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        args = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(args, str):  # some models encode the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                continue
+        command = args.get("command") if isinstance(args, dict) else None
+        if call.get("name") == "shell" and isinstance(command, str) and command.strip():
+            commands.append(command)
+    return commands
+
+
+def tool_response(text: str) -> dict:
+    """A command's result (or the user's refusal) as the next user turn."""
+    return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}

@@ -1,0 +1,97 @@
+"""Chat models behind one small interface: a GGUF through llama-cpp-python, or a run directory
+(its adapter merged onto the full-precision base) or a model directory through torch.
+
+``stream(messages)`` yields the reply's text piece by piece and stops early when ``cancel``
+is set; ``localrl chat`` and the terminal UI's Chat and Agent screens use it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+from localrl.errors import UserError
+
+class ChatModel(Protocol):
+    name: str
+
+    def stream(self, messages: list[dict], max_tokens: int = 512, temperature: float = 0.0,
+               cancel: threading.Event | None = None) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
+
+
+class GGUFChat:
+    def __init__(self, path: str | Path, n_ctx: int = 2048):
+        from llama_cpp import Llama
+
+        from localrl.serve import check_gguf_file
+
+        self.path = check_gguf_file(path)
+        self.name = self.path.name
+        self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx, verbose=False)
+
+    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
+        chunks = self.llm.create_chat_completion(messages=messages, max_tokens=max_tokens,
+                                                 temperature=temperature, stream=True)
+        for chunk in chunks:
+            if cancel is not None and cancel.is_set():
+                chunks.close()
+                return
+            delta = chunk["choices"][0]["delta"].get("content")
+            if delta:
+                yield delta
+
+    def close(self):
+        self.llm.close()
+
+
+class TorchChat:
+    """A causal LM in torch, decoding one token at a time with its KV cache."""
+
+    def __init__(self, source: str | Path):
+        from localrl.rollout import stop_token_ids
+        from quant.export import load_merged
+
+        self.model, self.tok, _, self.what = load_merged(source, exportable=False)
+        self.name = Path(source).name or str(source)
+        self.stops = set(stop_token_ids(self.tok, self.model))
+        if not self.tok.chat_template:
+            raise UserError(f"model {source}: its tokenizer has no chat template")
+
+    @torch.no_grad()
+    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([self.tok(text, add_special_tokens=False)["input_ids"]])
+        past, generated, shown = None, [], ""
+        for _ in range(max_tokens):
+            if cancel is not None and cancel.is_set():
+                return
+            out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1].float()
+            if temperature > 0:
+                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+            else:
+                nxt = int(logits.argmax())
+            if nxt in self.stops:
+                return
+            generated.append(nxt)
+            ids = torch.tensor([[nxt]])
+            full = self.tok.decode(generated, skip_special_tokens=True)
+            if full.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
+                continue
+            yield full[len(shown):]
+            shown = full
+
+    def close(self):
+        pass
+
+
+def open_chat_model(source: str | Path, n_ctx: int = 2048) -> ChatModel:
+    """A GGUF file, a run directory or a model directory / built-in name, ready to chat."""
+    if str(source).endswith(".gguf"):
+        return GGUFChat(source, n_ctx)
+    return TorchChat(source)

@@ -1,0 +1,288 @@
+"""The terminal UI driven through Textual's Pilot: real training subprocesses, the real tiny model,
+real shell commands (asserted on the file system, not only on the screen)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tui.app import LocalRLApp
+from tui.widgets import Message, MetricChart
+
+SIZE = (80, 24)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def wait_for(pilot, predicate, timeout: float = 120.0, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the UI")
+        await pilot.pause(step)
+
+
+class ScriptedModel:
+    """A chat model that replies from a script (stands in for an LLM that can use tools; the
+    tiny built-in model cannot). Records the conversations it was shown."""
+
+    name = "scripted"
+
+    def __init__(self, replies: list[str]):
+        self.replies = list(replies)
+        self.seen: list[list[dict]] = []
+
+    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
+        self.seen.append([dict(m) for m in messages])
+        reply = self.replies.pop(0) if self.replies else "Done."
+        for i in range(0, len(reply), 7):
+            yield reply[i:i + 7]
+
+    def close(self):
+        pass
+
+
+def tool_call(command: str) -> str:
+    return "<think>I should look.</think>" + '<tool_call>{"name": "shell", "arguments": {"command": ' + \
+        json.dumps(command) + "}}</tool_call>"
+
+
+# -- Train ---------------------------------------------------------------------------------
+
+
+def _fill(screen, **fields):
+    for name, value in fields.items():
+        screen.query_one(f"#field-{name}").value = value
+
+
+def test_train_screen_starts_a_run_and_the_charts_gain_points(tmp_path):
+    async def go():
+        app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            _fill(screen, steps="3", prompts_per_step="4", group_size="4", flags="--eval-size 0")
+            await pilot.click("#start")
+            reward = screen.query_one("#chart-reward_mean", MetricChart)
+            await wait_for(pilot, lambda: len(reward.values) >= 1)  # a point while the run is live
+            await wait_for(pilot, lambda: not screen.running and "finished" in screen.status)
+            await pilot.pause(0.3)
+            assert len(reward.values) == 3
+            assert len(screen.query_one("#chart-peak_mem_mb", MetricChart).values) == 3
+            return screen.run_dir
+
+    run_dir = run(go())
+    assert run_dir.parent == tmp_path / "runs"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    assert any((run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("fields, message, invalid", [
+    ({"model": "/no/such/model"}, "no such directory", "model"),
+    ({"group_size": "1"}, "group_size", "group_size"),
+    ({"flags": "--no-such-flag 3"}, "cannot parse", "flags"),
+])
+def test_bad_form_input_is_shown_inline_and_starts_nothing(tmp_path, fields, message, invalid):
+    async def go():
+        app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            _fill(screen, **fields)
+            await pilot.click("#start")
+            await pilot.pause(0.2)
+            assert message in str(screen.query_one("#form-error").render())
+            assert screen.query_one(f"#field-{invalid}").has_class("-invalid")
+            assert screen.proc is None
+
+    run(go())
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_crashed_training_subprocess_is_shown_not_fatal(tmp_path):
+    async def go():
+        app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            _fill(screen, steps="2", prompts_per_step="2", group_size="2",
+                  flags="--eval-size 0 --reward tests.test_tui:exploding_reward")
+            await pilot.click("#start")
+            await wait_for(pilot, lambda: "failed" in screen.status)
+            assert "exit 1" in screen.status and "reward exploded" in screen.status
+            assert app.is_running  # still up: switch screens and back
+            await pilot.press("f2", "f1")
+            assert app.screen is screen
+
+    run(go())
+
+
+def exploding_reward(completions, **columns):
+    raise RuntimeError("reward exploded")
+
+
+def test_attach_watches_a_run_started_elsewhere(tmp_path):
+    from localrl.config import TrainConfig
+    from localrl.trainer import train
+
+    cfg = TrainConfig(steps=2, prompts_per_step=2, group_size=2, eval_size=0, run_dir=str(tmp_path / "run"))
+    train(cfg, log=lambda *_: None)
+
+    async def go():
+        app = LocalRLApp(attach=tmp_path / "run", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            await wait_for(pilot, lambda: len(screen.query_one("#chart-kl", MetricChart).values) == 2, timeout=10)
+            bar = screen.query_one("#progress")
+            assert (bar.total, bar.progress) == (2, 2)
+            assert "attached" in screen.status
+
+    run(go())
+
+
+# -- Chat ----------------------------------------------------------------------------------
+
+
+def _assistant_messages(screen) -> list[Message]:
+    return [m for m in screen.query(Message) if m.role == "assistant"]
+
+
+def test_chat_streams_a_reply_from_the_builtin_model_and_saves_it(tmp_path, builtin_model):
+    async def go():
+        app = LocalRLApp(model=str(builtin_model), data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat_model is not None, timeout=60)
+            screen = app.screen
+            assert type(screen).__name__ == "ChatScreen"
+            screen.query_one("#prompt").value = "What is 12 + 34?"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: _assistant_messages(screen))
+            reply = _assistant_messages(screen)[0]
+            await wait_for(pilot, lambda: screen.streaming is None)
+            await pilot.pause(0.2)
+            text = reply.text
+            assert "<answer>" in text and "</answer>" in text
+            think = reply.query_one(".think-text").render()
+            assert str(think).strip() and reply.query_one(".think").display  # the thinking is shown apart
+            assert "<think>" not in str(reply.query_one(".body").render())
+            saved = list((tmp_path / "data" / "chats").glob("*.json"))
+            assert len(saved) == 1
+            data = json.loads(saved[0].read_text())
+            assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+            assert data["messages"][1]["content"] == text
+            # reopen it in a fresh conversation
+            await pilot.press("ctrl+n")
+            await pilot.pause(0.1)
+            assert not list(screen.query(Message))
+            await pilot.press("ctrl+o")
+            await pilot.pause(0.2)
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+            assert [m.text for m in screen.query(Message)] == ["What is 12 + 34?", text]
+
+    run(go())
+
+
+class SlowModel(ScriptedModel):
+    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
+        for _ in range(2000):
+            if cancel is not None and cancel.is_set():
+                return
+            time.sleep(0.01)
+            yield "x"
+
+
+def test_esc_cancels_a_reply(tmp_path):
+    async def go():
+        app = LocalRLApp(model=SlowModel([]), data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            screen.query_one("#prompt").value = "go on forever"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: _assistant_messages(screen) and len(_assistant_messages(screen)[0].text) > 3)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: screen.streaming is None, timeout=5)
+            reply = _assistant_messages(screen)[0]
+            assert reply.note == "cancelled" and len(reply.text) < 2000
+
+    run(go())
+
+
+# -- Agent ---------------------------------------------------------------------------------
+
+
+async def _agent_task(pilot, app, task: str):
+    await pilot.press("f3")
+    screen = app.screen
+    screen.query_one("#task").value = task
+    screen.query_one("#task").focus()
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: screen.query_one("#approval").display, timeout=10)
+    return screen
+
+
+def test_agent_runs_an_approved_command_and_the_model_sees_its_output(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel([tool_call("echo hello > made.txt && cat made.txt"), "The file says hello."])
+
+    async def go():
+        app = LocalRLApp(model=model, workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "make a file")
+            assert screen.query_one("#command").value == "echo hello > made.txt && cat made.txt"
+            assert not (work / "made.txt").exists()  # nothing runs before approval
+            await pilot.click("#approve")
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+            return screen.transcript
+
+    transcript = run(go())
+    assert (work / "made.txt").read_text() == "hello\n"
+    tool = next(e for e in transcript if e["role"] == "tool")
+    assert tool["command"] == "echo hello > made.txt && cat made.txt" and tool["exit_code"] == 0
+    assert "hello" in tool["content"]
+    assert "hello" in model.seen[1][-1]["content"] and "<tool_response>" in model.seen[1][-1]["content"]
+    saved = json.loads(next((tmp_path / "data" / "agent").glob("*.json")).read_text())
+    assert saved["transcript"] == transcript
+
+
+def test_agent_runs_the_command_as_edited(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel([tool_call("rm -rf important"), "ok"])
+    (work / "important").mkdir()
+
+    async def go():
+        app = LocalRLApp(model=model, workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "tidy up")
+            screen.query_one("#command").value = "echo edited > edited.txt"
+            await pilot.press("enter")  # Enter in the command box approves it
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+
+    run(go())
+    assert (work / "important").is_dir()
+    assert (work / "edited.txt").read_text() == "edited\n"
+
+
+def test_a_rejected_command_never_runs(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel([tool_call("touch should_not_exist"), "Understood."])
+
+    async def go():
+        app = LocalRLApp(model=model, workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "touch a file")
+            await pilot.click("#reject")
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+            return screen.transcript
+
+    transcript = run(go())
+    assert list(work.iterdir()) == []
+    assert any(e["role"] == "tool" and e["content"].startswith("rejected") for e in transcript)
+    assert "rejected" in model.seen[1][-1]["content"]

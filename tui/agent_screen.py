@@ -1,0 +1,220 @@
+"""The Agent screen: the model works in a shell, one approved command at a time.
+
+The loop (a thread worker): the model replies; each ``<tool_call>`` it makes is shown for the
+user to approve (as is, or edited) or reject before anything runs; approved commands run in
+``localrl.sandbox`` (working directory, timeout, output cap, minimal environment); the
+result, or the refusal, goes back to the model as the next turn. "Approve all" (off by
+default) skips the question for the rest of the session. The transcript is saved after
+every event.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import datetime
+from pathlib import Path
+
+from textual import work
+from textual.worker import get_current_worker
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, Footer, Header, Input, Label, Static, Switch
+
+from localrl.agent import parse_tool_calls, system_message, tool_response
+from localrl.atomic import write_text_atomic
+from localrl.errors import UserError
+from localrl.sandbox import Sandbox
+from tui.widgets import REDRAW_INTERVAL, Message
+
+MAX_TURNS = 8  # model replies per task, so a model that never stops calling tools does stop
+
+
+class AgentScreen(Screen):
+    BINDINGS = [Binding("ctrl+y", "approve", "Approve", id="agent.approve"),
+                Binding("ctrl+n", "reject", "Reject", id="agent.reject"),
+                Binding("escape", "cancel", "Stop agent", id="agent.cancel")]
+
+    def __init__(self, data_dir: Path, workdir: str | Path = ".", timeout: float = 30.0, max_tokens: int = 512):
+        super().__init__()
+        self.folder = data_dir / "agent"
+        self.workdir = str(workdir)
+        self.timeout = timeout
+        self.max_tokens = max_tokens
+        self.transcript: list[dict] = []
+        self.path: Path | None = None
+        self.cancel = threading.Event()
+        self._decided = threading.Event()
+        self._decision: str | None = None  # the command to run, or None for a refusal
+        self.streaming: Message | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        with Horizontal(id="agent-bar"):
+            yield Label("Dir")
+            yield Input(self.workdir, id="workdir", compact=True)
+            yield Label("Approve all")
+            yield Switch(False, id="approve-all")
+        yield Static("", id="agent-status")
+        yield VerticalScroll(id="transcript")
+        with Vertical(id="approval"):
+            yield Static("The model wants to run (edit it if you like):")
+            yield Input("", id="command", compact=True)
+            with Horizontal():
+                yield Button("Approve", id="approve", variant="success", compact=True)
+                yield Button("Reject", id="reject", variant="error", compact=True)
+        yield Input(placeholder="Task for the agent (Enter starts it)", id="task")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#approval").display = False
+        self.set_interval(REDRAW_INTERVAL, self._redraw)
+        self.watch(self.app, "model_status", lambda s: self.query_one("#agent-status", Static).update(s))
+        self.query_one("#transcript", VerticalScroll).anchor()
+
+    def on_unmount(self) -> None:
+        self.cancel.set()
+        self._decided.set()
+
+    def _redraw(self) -> None:
+        if self.streaming is not None:
+            self.streaming.flush()
+
+    # -- user actions ----------------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "command":
+            self.action_approve()
+        elif event.input.id == "task" and event.value.strip():
+            self.start(event.value.strip())
+            event.input.value = ""
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "approve":
+            self.action_approve()
+        elif event.button.id == "reject":
+            self.action_reject()
+
+    def start(self, task: str) -> None:
+        if self.app.chat_model is None:
+            self.notify("load a model first (Chat screen, F2)", severity="warning")
+            return
+        if self.streaming is not None or self.query_one("#approval").display:
+            self.notify("the agent is still working (esc stops it)", severity="warning")
+            return
+        try:
+            sandbox = Sandbox(self.query_one("#workdir", Input).value, timeout=self.timeout)
+        except UserError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.cancel.clear()
+        self._add("user", task)
+        self._run(task, sandbox)
+
+    def action_approve(self) -> None:
+        if self.query_one("#approval").display:
+            self._decide(self.query_one("#command", Input).value)
+
+    def action_reject(self) -> None:
+        if self.query_one("#approval").display:
+            self._decide(None)
+
+    def action_cancel(self) -> None:
+        self.cancel.set()
+        self._decide(None)
+
+    def _decide(self, command: str | None) -> None:
+        self.query_one("#approval").display = False
+        self._decision = command
+        self._decided.set()
+
+    # -- the agent loop (worker thread) ----------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="agent")
+    def _run(self, task: str, sandbox: Sandbox) -> None:
+        messages = [system_message(str(sandbox.workdir)), {"role": "user", "content": task}]
+        for _ in range(MAX_TURNS):
+            reply = self._stream_reply(messages)
+            if reply is None:
+                break
+            messages.append({"role": "assistant", "content": reply})
+            commands = parse_tool_calls(reply)
+            if not commands:
+                break
+            command = self._ask(commands[0])  # one command per turn: the model sees each result
+            if self.cancel.is_set():
+                break
+            if command is None:
+                self._call(self._add, "tool", f"rejected: {commands[0]}")
+                messages.append(tool_response("The user rejected this command. Do not run it; ask or try "
+                                              "something else."))
+                continue
+            self._call(self._set_status, f"running: {command}")
+            result = sandbox.run(command)
+            self._call(self._add, "tool", result.describe(), {"command": command, "exit_code": result.exit_code,
+                                                              "timed_out": result.timed_out})
+            messages.append(tool_response(result.describe()))
+        self._call(self._set_status, "stopped" if self.cancel.is_set() else "done")
+
+    def _stream_reply(self, messages: list[dict]) -> str | None:
+        view = self._call(self._add, "assistant", "")
+        self.streaming = view
+        try:
+            for delta in self.app.chat_model.stream(messages, max_tokens=self.max_tokens, cancel=self.cancel):
+                view.feed(delta)
+        except Exception as e:  # shown, and the loop ends; the app stays up
+            self._call(self._finish_reply, view, f"error: {e}")
+            return None
+        self._call(self._finish_reply, view, "cancelled" if self.cancel.is_set() else "")
+        return None if self.cancel.is_set() else view.text
+
+    def _ask(self, command: str) -> str | None:
+        if self.query_one("#approve-all", Switch).value:
+            return command
+        self._decided.clear()
+        self._call(self._show_approval, command)
+        worker = get_current_worker()
+        while not self._decided.wait(0.1):
+            if worker.is_cancelled:  # the app is closing
+                self.cancel.set()
+                return None
+        return self._decision
+
+    def _call(self, fn, *args):
+        return self.app.call_from_thread(fn, *args)
+
+    # -- UI thread ---------------------------------------------------------------------------
+
+    def _show_approval(self, command: str) -> None:
+        self.query_one("#approval").display = True
+        box = self.query_one("#command", Input)
+        box.value = command
+        box.focus()
+        self._set_status("waiting for approval")
+
+    def _finish_reply(self, view: Message, note: str) -> None:
+        view.finish(note)
+        self.streaming = None
+        self.transcript[-1]["content"] = view.text
+        self.save()
+
+    def _add(self, role: str, text: str, extra: dict | None = None) -> Message:
+        view = Message(role, text)
+        self.query_one("#transcript", VerticalScroll).mount(view)
+        self.transcript.append({"role": role, "content": text, **(extra or {})})
+        self.save()
+        return view
+
+    def _set_status(self, text: str) -> None:
+        self.query_one("#agent-status", Static).update(text)
+
+    def save(self) -> Path:
+        if self.path is None:
+            self.path = self.folder / f"{datetime.now():%Y%m%d-%H%M%S-%f}.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = {"model": getattr(self.app.chat_model, "name", None), "workdir": self.workdir,
+                "transcript": self.transcript}
+        write_text_atomic(self.path, json.dumps(data, indent=1, ensure_ascii=False))
+        return self.path

@@ -1,0 +1,96 @@
+"""Widgets the screens share: a metric chart and a chat message that streams with its
+``<think>`` section dimmed and collapsible.
+
+Streaming text is fed from worker threads with ``feed`` (a list append, safe without the UI
+lock) and drawn by ``flush`` on the UI thread from a screen timer, so a fast model costs at
+most one redraw per tick however many tokens arrive.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Collapsible, Label, Sparkline, Static
+
+REDRAW_INTERVAL = 1 / 20  # seconds between redraws of streaming text and charts
+
+
+class MetricChart(Vertical):
+    """A label with the latest value over a sparkline of the whole history."""
+
+    def __init__(self, key: str, title: str, fmt: str = "{:.3f}", **kwargs):
+        super().__init__(classes="metric", **kwargs)
+        self.key, self.title, self.fmt = key, title, fmt
+        self.values: list[float] = []
+
+    def compose(self) -> ComposeResult:
+        yield Label(f"{self.title} -", classes="metric-title")
+        yield Sparkline([], summary_function=max)
+
+    def set_values(self, values: list[float]) -> None:
+        self.values = list(values)
+        last = self.fmt.format(values[-1]) if values else "-"
+        self.query_one(Label).update(f"{self.title} {last}")
+        self.query_one(Sparkline).data = self.values
+
+
+def split_think(text: str) -> tuple[str | None, str]:
+    """(thinking, the rest) of a reply; thinking is None without a ``<think>`` tag."""
+    start = text.find("<think>")
+    if start < 0:
+        return None, text
+    end = text.find("</think>", start)
+    if end < 0:  # still thinking
+        return text[start + len("<think>"):], text[:start]
+    return text[start + len("<think>"):end], text[:start] + text[end + len("</think>"):]
+
+
+class Message(Vertical):
+    """One turn of a conversation. Assistant turns may stream (``feed`` + ``flush``)."""
+
+    def __init__(self, role: str, text: str = "", **kwargs):
+        super().__init__(classes=f"message {role}", **kwargs)
+        self.role = role
+        self.text = text
+        self._pending: list[str] = []
+        self.note = ""
+        self._body = Static("", classes="body", markup=False)
+        self._think_text = Static("", classes="think-text", markup=False)
+        self._think = Collapsible(self._think_text, title="thinking", collapsed=False, classes="think")
+
+    def compose(self) -> ComposeResult:
+        if self.role == "assistant":
+            yield self._think
+        yield self._body
+
+    def on_mount(self) -> None:
+        self._render_text()
+
+    def feed(self, delta: str) -> None:  # any thread
+        self._pending.append(delta)
+
+    def flush(self) -> bool:
+        """Draw what was fed since the last flush; whether anything changed."""
+        if not self._pending:
+            return False
+        pending, self._pending = self._pending, []
+        self.text += "".join(pending)
+        self._render_text()
+        return True
+
+    def finish(self, note: str = "") -> None:
+        self.flush()
+        self.note = note
+        self._render_text()
+
+    def set_collapsed(self, collapsed: bool) -> None:
+        self._think.collapsed = collapsed
+
+    def _render_text(self) -> None:
+        # The widgets are held, not queried: this may run before they are mounted (on_mount redraws).
+        prefix = {"user": "you: ", "assistant": "", "tool": ""}.get(self.role, "")
+        think, rest = split_think(self.text) if self.role == "assistant" else (None, self.text)
+        self._think.display = think is not None
+        self._think.title = f"thinking ({len(think or '')} chars)"
+        self._think_text.update(think or "")
+        self._body.update(prefix + rest.strip() + (f"\n[{self.note}]" if self.note else ""))
