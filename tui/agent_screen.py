@@ -73,6 +73,7 @@ class AgentScreen(Screen):
         self.set_interval(REDRAW_INTERVAL, self._redraw)
         self.watch(self.app, "model_status", lambda s: self.query_one("#agent-status", Static).update(s))
         self.query_one("#transcript", VerticalScroll).anchor()
+        self.query_one("#task", Input).focus()
 
     def on_unmount(self) -> None:
         self.cancel.set()

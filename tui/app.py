@@ -41,7 +41,7 @@ class LocalRLApp(App):
         self.chat_model: ChatModel | None = None
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self._screens = {"train": lambda: TrainScreen(runs_dir, attach),
-                         "chat": lambda: ChatScreen(self.data_dir),
+                         "chat": lambda: ChatScreen(self.data_dir, model if isinstance(model, str) else ""),
                          "agent": lambda: AgentScreen(self.data_dir, workdir)}
         self._model = model
         self._start = start or ("train" if attach or not model else "chat")

@@ -59,8 +59,9 @@ class ChatScreen(Screen):
                 Binding("ctrl+o", "open", "Open chat", id="chat.open"),
                 Binding("ctrl+t", "toggle_thinking", "Thinking", id="chat.thinking")]
 
-    def __init__(self, data_dir: Path, max_tokens: int = 512):
+    def __init__(self, data_dir: Path, source: str = "", max_tokens: int = 512):
         super().__init__()
+        self.source = source
         self.folder = data_dir / "chats"
         self.max_tokens = max_tokens
         self.messages: list[dict] = []
@@ -72,7 +73,7 @@ class ChatScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Horizontal(id="model-bar"):
-            yield Input(placeholder="model: FILE.gguf, run directory, model directory or built-in name",
+            yield Input(self.source, placeholder="model: FILE.gguf, run directory, model directory or built-in name",
                         id="source", compact=True)
             yield Button("Load", id="load", compact=True)
         yield Static("", id="chat-status")
@@ -90,6 +91,9 @@ class ChatScreen(Screen):
         self.query_one("#chat-status", Static).update(status)
         if self.app.chat_model is not None and self.is_current:
             self.query_one("#prompt", Input).focus()
+
+    def on_screen_resume(self) -> None:
+        self.query_one("#prompt" if self.app.chat_model else "#source", Input).focus()
 
     def on_unmount(self) -> None:
         self.cancel.set()

@@ -96,9 +96,10 @@ class MetricsFollower:
 
 
 class TrainScreen(Screen):
-    BINDINGS = [Binding("ctrl+r", "start", "Start", id="train.start"),
-                Binding("ctrl+x", "stop", "Stop", id="train.stop"),
-                Binding("ctrl+e", "resume", "Resume", id="train.resume")]
+    # function keys: every ctrl+letter worth having is already an editing key in the form's inputs
+    BINDINGS = [Binding("f5", "start", "Start", id="train.start"),
+                Binding("f6", "stop", "Stop", id="train.stop"),
+                Binding("f7", "resume", "Resume", id="train.resume")]
 
     def __init__(self, runs_dir: str | Path = "runs", attach: str | Path | None = None,
                  train_command: list[str] | None = None):
@@ -231,8 +232,12 @@ class TrainScreen(Screen):
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status = text
         status = self.query_one("#run-status", Static)
-        status.update(text)
+        status.update(text + self._eval_summary())
         status.set_class(error, "-error")
+
+    def _eval_summary(self) -> str:
+        evals = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "eval"]
+        return "".join(f"  eval {r['when']}: {r['accuracy']:.1%}" for r in evals)
 
     # -- the watcher (one redraw per tick, however much arrived) ------------------------
 
@@ -250,10 +255,7 @@ class TrainScreen(Screen):
             chart.set_values([float(r[chart.key]) for r in train if chart.key in r])
         bar = self.query_one("#progress", ProgressBar)
         bar.update(total=self.total_steps or None, progress=train[-1]["step"] if train else 0)
-        evals = [r for r in self.follower.records if r.get("kind") == "eval"]
-        if evals:
-            text = "  ".join(f"eval {r['when']}: {r['accuracy']:.1%}" for r in evals)
-            self._set_status(f"{self.status.split('  eval')[0]}  {text}")
+        self._set_status(self.status, self.query_one("#run-status").has_class("-error"))
 
     def _steps_from_config(self) -> int:
         try:
