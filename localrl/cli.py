@@ -6,6 +6,7 @@
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
+    localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl bench prompt-cache | grpo-step | export
 """
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from localrl.config import FIELDS, build_config
@@ -219,6 +221,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_baselines(args: argparse.Namespace) -> int:
+    import torch
+
+    from localrl.baselines.run import QUICK, PongBenchConfig, run
+
+    cfg = QUICK if args.quick else PongBenchConfig()
+    for field in ("steps", "seeds", "eval_points"):
+        value = getattr(args, field)
+        if value is not None:
+            if value < 1:
+                raise UserError(f"baselines: --{field.replace('_', '-')} must be at least 1 (got {value})")
+            cfg = replace(cfg, **{field: value})
+    if cfg.eval_points < 2000 or cfg.seeds < 3:
+        print("note: fewer than 2,000 evaluation points or 3 seeds: the intervals are wide")
+    torch.set_num_threads(1)  # tiny MLPs: threads cost more than they give
+    out = Path(args.out)
+    run(cfg, out)
+    print((out / "results.md").read_text(), end="")
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'learning_curves.png'}")
+    return 0
+
+
 def cmd_tui(args: argparse.Namespace) -> int:
     from tui.app import run_tui
 
@@ -272,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=".", help="the agent's working directory")
     p.add_argument("--runs-dir", default="runs", help="where runs started from the UI go")
     p.set_defaults(func=cmd_tui)
+
+    p = sub.add_parser("baselines", help="backprop-free agents against PPO, measured with confidence intervals")
+    p.add_argument("env", choices=["pong"], help="environment")
+    p.add_argument("--quick", action="store_true", help="a shorter run for laptops (under 10 minutes on 2 cores)")
+    p.add_argument("--out", default="baselines-pong", help="folder for results.md, results.json, learning_curves.png")
+    p.add_argument("--steps", type=int, default=None, help="training env steps per agent and seed")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per agent")
+    p.add_argument("--eval-points", type=int, default=None, help="evaluation points per agent and seed")
+    p.set_defaults(func=cmd_baselines)
 
     p = sub.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
     p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")

@@ -1,0 +1,1 @@
+"""Backprop-free RL baselines next to PPO, on a vectorised numpy Pong."""
