@@ -22,7 +22,7 @@ the return. Learning is SARSA(lambda) with accumulating eligibility traces (the 
 shared by the channels). Actions: epsilon-greedy on the mean over channels.
 
 Ablations: ``n_channels=1`` (scalar TD), ``learn_encoder=False`` (a frozen random encoder:
-inference still runs, the generative weights never change).
+inference still runs, the generative weights never change; the bias still tracks the mean).
 """
 
 from __future__ import annotations
@@ -37,24 +37,25 @@ class PCConfig:
     latents: int = 128
     inference_steps: int = 20
     sparsity: float = 0.05  # lam
-    encoder_lr: float = 0.02
-    learn_encoder: bool = True
+    encoder_lr: float = 0.005
+    bias_lr: float = 0.2  # the prediction bias tracks the input mean, fast
+    learn_encoder: bool = True  # False: the generative weights stay random (the bias still learns)
     n_channels: int = 8
     lr: float = 0.5  # alpha, divided by the squared feature norm and the trace length
     gamma: float = 0.99
     trace_decay: float = 0.9  # lambda
-    epsilon_start: float = 0.3
+    epsilon_start: float = 1.0  # all random at first: a greedy start walks the paddle into a wall and stays
     epsilon_end: float = 0.02
     explore_fraction: float = 0.5  # of the training steps over which epsilon decays
 
 
 class PCEncoder:
     def __init__(self, n_in: int, n_latent: int, rng: np.random.Generator, sparsity: float = 0.05,
-                 steps: int = 20, lr: float = 0.02):
+                 steps: int = 20, lr: float = 0.005, bias_lr: float = 0.2):
         self.W = rng.normal(size=(n_in, n_latent))
         self.W /= np.linalg.norm(self.W, axis=0, keepdims=True)
         self.b = np.zeros(n_in)
-        self.sparsity, self.steps, self.lr = sparsity, steps, lr
+        self.sparsity, self.steps, self.lr, self.bias_lr = sparsity, steps, lr, bias_lr
         self._set_step()
 
     def _set_step(self) -> None:
@@ -74,13 +75,15 @@ class PCEncoder:
                 trace.append(self.energy(o, x))
         return x
 
-    def learn(self, o: np.ndarray, x: np.ndarray) -> None:
-        """Hebbian step: prediction error times presynaptic activity, then unit-norm latents."""
+    def learn(self, o: np.ndarray, x: np.ndarray, weights: bool = True) -> None:
+        """Hebbian step: prediction error times presynaptic activity, then unit-norm latents; the
+        bias (presynaptic activity 1) learns at its own, faster rate. ``weights=False``: bias only."""
         e = o - x @ self.W.T - self.b  # [B, n_in]
-        self.W += self.lr * e.T @ x / len(o)
-        self.b += self.lr * e.mean(0)
-        self.W /= np.maximum(np.linalg.norm(self.W, axis=0, keepdims=True), 1e-8)
-        self._set_step()
+        self.b += self.bias_lr * e.mean(0)
+        if weights:
+            self.W += self.lr * e.T @ x / len(o)
+            self.W /= np.maximum(np.linalg.norm(self.W, axis=0, keepdims=True), 1e-8)
+            self._set_step()
 
 
 class DistributionalTD:
@@ -100,7 +103,9 @@ class DistributionalTD:
         """One TD step for every env; returns the TD errors [E, N]."""
         e = np.arange(len(actions))
         q = self.values(phi)[e, actions]  # [E, N]
-        q_next = self.values(phi_next)[e, actions_next].mean(-1, keepdims=True)  # [E, 1]: a shared target
+        # every channel bootstraps from the mean of the next values: bootstrapping each from its
+        # own next value diverged here (the high expectiles feed on their own optimism)
+        q_next = self.values(phi_next)[e, actions_next].mean(-1, keepdims=True)  # [E, 1]
         delta = rewards[:, None] + self.gamma * (1.0 - dones[:, None]) * q_next - q
         self.z *= self.gamma * self.trace_decay
         self.z[e, actions] += phi
@@ -121,7 +126,7 @@ class PCHebbianAgent:
         self.cfg = c = cfg or PCConfig()
         self.name = name
         self.rng = np.random.default_rng(seed)
-        self.encoder = PCEncoder(n_obs, c.latents, self.rng, c.sparsity, c.inference_steps, c.encoder_lr)
+        self.encoder = PCEncoder(n_obs, c.latents, self.rng, c.sparsity, c.inference_steps, c.encoder_lr, c.bias_lr)
         self.td = DistributionalTD(c.latents + 1, n_actions, c.n_channels, num_envs, c.lr, c.gamma, c.trace_decay)
         self.n_actions = n_actions
         self.gain_ms = np.full(c.latents, 1e-2)  # running mean square of each latent
@@ -129,12 +134,13 @@ class PCHebbianAgent:
         self._current = self._next = None  # (obs, features, latents, actions) of this step and the next
 
     def features(self, obs: np.ndarray, adapt: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(readout features, latents). Each latent's output is divided by its own running RMS
-        (a per-neuron gain, homeostasis) so that all features reach the readout at one scale."""
+        """(readout features, latents). Each latent is divided by its own running RMS (a per-neuron
+        gain, homeostasis), floored at a quarter of the mean so rarely active latents cannot spike."""
         x = self.encoder.infer(obs.astype(np.float64))
         if adapt:
             self.gain_ms = 0.999 * self.gain_ms + 0.001 * (x * x).mean(0)
-        return np.concatenate([x / np.sqrt(self.gain_ms + 1e-6), np.ones((len(x), 1))], 1), x
+        gain = np.sqrt(np.maximum(self.gain_ms, 0.25 * self.gain_ms.mean()) + 1e-8)
+        return np.concatenate([x / gain, np.ones((len(x), 1))], 1), x
 
     def epsilon(self) -> float:
         c = self.cfg
@@ -160,8 +166,7 @@ class PCHebbianAgent:
         """One local update of the encoder and the readout. SARSA bootstraps from the action the
         agent will take next, so that action is chosen here and reused by the next ``act``."""
         _, phi, x, _ = self._current
-        if self.cfg.learn_encoder:
-            self.encoder.learn(obs.astype(np.float64), x)
+        self.encoder.learn(obs.astype(np.float64), x, weights=self.cfg.learn_encoder)
         phi_next, x_next = self.features(next_obs, adapt=True)
         next_actions = self._choose(phi_next, self.epsilon())
         self.td.update(phi, actions, rewards.astype(np.float64), dones.astype(np.float64), phi_next, next_actions)

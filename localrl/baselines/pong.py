@@ -24,9 +24,11 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 
 STAY, UP, DOWN = 0, 1, 2
 PADDLE_HALF = 0.1
-PADDLE_SPEED = 0.04
-BALL_SPEED = 0.03  # |vx| at the serve
-MAX_VX, MAX_VY = 0.06, 0.05
+# Speeds per step: a point lasts some 50 steps, so a single action matters enough for
+# value-based learners to tell actions apart (Atari agents get the same from frame skipping).
+PADDLE_SPEED = 0.12
+BALL_SPEED = 0.09  # |vx| at the serve
+MAX_VX, MAX_VY = 0.18, 0.15
 VEL_SCALE = 1 / MAX_VY  # observed velocities in about [-1, 1]
 MAX_STEPS_PER_POINT = 3000
 
@@ -34,7 +36,7 @@ MAX_STEPS_PER_POINT = 3000
 class VectorPong(VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
 
-    def __init__(self, num_envs: int = 16, opponent_skill: float = 0.6, reaction_delay: int = 4, seed: int = 0):
+    def __init__(self, num_envs: int = 16, opponent_skill: float = 0.8, reaction_delay: int = 1, seed: int = 0):
         self.num_envs = num_envs
         self.skill, self.delay = opponent_skill, reaction_delay
         self.single_observation_space = spaces.Box(-1.5, 1.5, (6,), np.float32)

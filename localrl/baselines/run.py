@@ -29,16 +29,16 @@ from localrl.baselines.ppo import PPOAgent
 
 @dataclass
 class PongBenchConfig:
-    steps: int = 2_000_000  # environment steps per agent and seed
+    steps: int = 3_000_000  # environment steps per agent and seed
     seeds: int = 5
     eval_points: int = 5000  # points played in evaluation, per agent and seed
     num_envs: int = 16
     opponent_skill: float = 0.8
-    reaction_delay: int = 2
+    reaction_delay: int = 1
     curve_windows: int = 20  # learning-curve points per run
 
 
-QUICK = PongBenchConfig(steps=600_000, seeds=3, eval_points=2000)
+QUICK = PongBenchConfig(steps=1_000_000, seeds=3, eval_points=2000)
 
 LEARNERS: dict[str, Callable] = {
     "PPO": lambda cfg, seed: PPOAgent(6, 3, cfg.num_envs, seed),
