@@ -1,1 +1,1 @@
-"""Terminal UI (Textual): training dashboard, chat and agent screens. Not built yet."""
+"""Terminal UI (Textual): Train, Chat and Agent screens over the library; see tui/app.py."""

@@ -107,11 +107,11 @@ class TrainScreen(Screen):
         self.runs_dir = Path(runs_dir)
         self.train_command = train_command or TRAIN_COMMAND
         self.run_dir: Path | None = Path(attach) if attach else None
-        self.attached = attach is not None
         self.proc: subprocess.Popen | None = None
         self.follower = MetricsFollower(self.run_dir / "metrics.jsonl") if self.run_dir else None
         self.total_steps = 0
-        self._log_lines: deque[str] = deque()
+        self._log_lines: deque[str] = deque()  # output waiting for the next redraw
+        self._tail: deque[str] = deque(maxlen=20)  # the run's last output lines, unwrapped
         self.status = ""
 
     def compose(self) -> ComposeResult:
@@ -192,10 +192,10 @@ class TrainScreen(Screen):
     def _launch(self, argv: list[str], run_dir: Path, steps: int | None) -> None:
         self.query_one("#form-error", Static).update("")
         self.query_one("#log", RichLog).clear()
+        self._tail.clear()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)
-        self.attached = False
         self._watch(run_dir, f"training {run_dir}", steps)
         self._pump_output(self.proc)
 
@@ -212,6 +212,7 @@ class TrainScreen(Screen):
     def _pump_output(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self._log_lines.append(line.rstrip("\n"))
+            self._tail.append(line.strip())
         code = proc.wait()
         self.app.call_from_thread(self._finished, proc, code)
 
@@ -219,13 +220,12 @@ class TrainScreen(Screen):
         if proc is not self.proc:
             return
         self.tick()
-        tail = [line for line in list(self.query_one("#log", RichLog).lines)[-20:]]
         if code == 0:
             self._set_status(f"finished: {self.run_dir}")
         elif code == 130:
             self._set_status(f"stopped with a checkpoint: {self.run_dir} (Resume continues it)")
         else:
-            last = next((str(t.text).strip() for t in reversed(tail) if str(t.text).strip()), "")
+            last = next((line for line in reversed(self._tail) if line), "")
             self._set_status(f"training failed (exit {code}): {last}", error=True)
             self.notify(f"training failed (exit {code}): {last}", severity="error", timeout=10)
 

@@ -16,10 +16,14 @@ presynaptic activity), after which each latent's outgoing weights are rescaled t
 (a per-neuron operation), as in sparse coding.
 
 Readout (distributional TD, Dabney et al. 2020). For each action, N value channels read the
-features ``phi = [x, 1]`` linearly. Channel i learns with rate ``alpha tau_i`` on positive TD
-errors and ``alpha (1 - tau_i)`` on negative ones, so it converges to the tau_i-expectile of
-the return. Learning is SARSA(lambda) with accumulating eligibility traces (the traces are
-shared by the channels). Actions: epsilon-greedy on the mean over channels.
+features ``phi = [x / gain, 1]`` linearly (``gain``: each latent's running RMS, floored).
+Channel i learns with rates in the ratio ``tau_i : 1 - tau_i`` on positive and negative TD
+errors, so it converges to the tau_i-expectile of its target. Deliberate deviation: every
+channel bootstraps from the mean of the next state's channels, so the channels are the
+expectiles of the one-step target ``r + gamma mean_j Q_j(s', a')``, not of the whole return;
+bootstrapping each channel from itself diverged with these linear features. Learning is
+SARSA(lambda) with accumulating eligibility traces (shared by the channels). Actions:
+epsilon-greedy on the mean over channels, epsilon decaying from 1.
 
 Ablations: ``n_channels=1`` (scalar TD), ``learn_encoder=False`` (a frozen random encoder:
 inference still runs, the generative weights never change; the bias still tracks the mean).

@@ -169,7 +169,7 @@ def plot_curves(results: dict, summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
     for name, r in results.items():
         if not r["curves"]:
             ax.axhline(summary["agents"][name]["win_rate"], ls="--", lw=1, color="grey" if name == "random" else "k",
@@ -182,7 +182,7 @@ def plot_curves(results: dict, summary: dict, path: Path) -> None:
     ax.set_xlabel("environment steps")
     ax.set_ylabel("points won while training")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title("Pong: mean over seeds (band: min to max)")
     fig.tight_layout()
     tmp = path.with_name(f".tmp-{path.name}")
