@@ -10,24 +10,21 @@ every event.
 
 from __future__ import annotations
 
-import json
 import threading
-from datetime import datetime
 from pathlib import Path
 
 from textual import work
-from textual.worker import get_current_worker
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, Static, Switch
+from textual.worker import get_current_worker
 
 from localrl.agent import parse_tool_calls, system_message, tool_response
-from localrl.atomic import write_text_atomic
 from localrl.errors import UserError
 from localrl.sandbox import Sandbox
-from tui.widgets import REDRAW_INTERVAL, Message
+from tui.widgets import Message, save_record
 
 MAX_TURNS = 8  # model replies per task, so a model that never stops calling tools does stop
 
@@ -48,7 +45,7 @@ class AgentScreen(Screen):
         self.cancel = threading.Event()
         self._decided = threading.Event()
         self._decision: str | None = None  # the command to run, or None for a refusal
-        self.streaming: Message | None = None
+        self._worker = None  # the agent loop of the current task
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -70,7 +67,6 @@ class AgentScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#approval").display = False
-        self.set_interval(REDRAW_INTERVAL, self._redraw)
         self.watch(self.app, "model_status", lambda s: self.query_one("#agent-status", Static).update(s))
         self.query_one("#transcript", VerticalScroll).anchor()
         self.query_one("#task", Input).focus()
@@ -78,10 +74,6 @@ class AgentScreen(Screen):
     def on_unmount(self) -> None:
         self.cancel.set()
         self._decided.set()
-
-    def _redraw(self) -> None:
-        if self.streaming is not None:
-            self.streaming.flush()
 
     # -- user actions ----------------------------------------------------------------------
 
@@ -102,7 +94,7 @@ class AgentScreen(Screen):
         if self.app.chat_model is None:
             self.notify("load a model first (Chat screen, F2)", severity="warning")
             return
-        if self.streaming is not None or self.query_one("#approval").display:
+        if self._worker is not None and self._worker.is_running:
             self.notify("the agent is still working (esc stops it)", severity="warning")
             return
         try:
@@ -112,7 +104,7 @@ class AgentScreen(Screen):
             return
         self.cancel.clear()
         self._add("user", task)
-        self._run(task, sandbox)
+        self._worker = self._run(task, sandbox)
 
     def action_approve(self) -> None:
         if self.query_one("#approval").display:
@@ -160,8 +152,7 @@ class AgentScreen(Screen):
         self._call(self._set_status, "stopped" if self.cancel.is_set() else "done")
 
     def _stream_reply(self, messages: list[dict]) -> str | None:
-        view = self._call(self._add, "assistant", "")
-        self.streaming = view
+        view = self.app.call_from_thread(self._add, "assistant", "", streaming=True)
         try:
             for delta in self.app.chat_model.stream(messages, max_tokens=self.max_tokens, cancel=self.cancel):
                 view.feed(delta)
@@ -197,12 +188,11 @@ class AgentScreen(Screen):
 
     def _finish_reply(self, view: Message, note: str) -> None:
         view.finish(note)
-        self.streaming = None
         self.transcript[-1]["content"] = view.text
         self.save()
 
-    def _add(self, role: str, text: str, extra: dict | None = None) -> Message:
-        view = Message(role, text)
+    def _add(self, role: str, text: str, extra: dict | None = None, streaming: bool = False) -> Message:
+        view = Message(role, text, streaming)
         self.query_one("#transcript", VerticalScroll).mount(view)
         self.transcript.append({"role": role, "content": text, **(extra or {})})
         self.save()
@@ -212,10 +202,7 @@ class AgentScreen(Screen):
         self.query_one("#agent-status", Static).update(text)
 
     def save(self) -> Path:
-        if self.path is None:
-            self.path = self.folder / f"{datetime.now():%Y%m%d-%H%M%S-%f}.json"
-        self.folder.mkdir(parents=True, exist_ok=True)
         data = {"model": getattr(self.app.chat_model, "name", None), "workdir": self.workdir,
                 "transcript": self.transcript}
-        write_text_atomic(self.path, json.dumps(data, indent=1, ensure_ascii=False))
+        self.path = save_record(self.folder, self.path, data)
         return self.path

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import datetime
 from pathlib import Path
 
 from textual import work
@@ -20,8 +19,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Header, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from localrl.atomic import write_text_atomic
-from tui.widgets import REDRAW_INTERVAL, Message
+from tui.widgets import Message, save_record
 
 
 def list_conversations(folder: Path) -> list[tuple[Path, str]]:
@@ -82,7 +80,6 @@ class ChatScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.set_interval(REDRAW_INTERVAL, self._redraw)
         self.watch(self.app, "model_status", self._model_status)
         self.query_one("#conversation", VerticalScroll).anchor()
         self.query_one("#prompt" if self.app.chat_model else "#source", Input).focus()
@@ -97,10 +94,6 @@ class ChatScreen(Screen):
 
     def on_unmount(self) -> None:
         self.cancel.set()
-
-    def _redraw(self) -> None:
-        if self.streaming is not None:
-            self.streaming.flush()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "load":
@@ -121,7 +114,7 @@ class ChatScreen(Screen):
 
     def send(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        reply = Message("assistant")
+        reply = Message("assistant", streaming=True)
         conversation = self.query_one("#conversation", VerticalScroll)
         conversation.mount(Message("user", text))
         conversation.mount(reply)
@@ -150,11 +143,8 @@ class ChatScreen(Screen):
         self.save()
 
     def save(self) -> Path:
-        if self.path is None:
-            self.path = self.folder / f"{datetime.now():%Y%m%d-%H%M%S-%f}.json"
         data = {"model": getattr(self.app.chat_model, "name", None), "messages": self.messages}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.path, json.dumps(data, indent=1, ensure_ascii=False))
+        self.path = save_record(self.folder, self.path, data)
         return self.path
 
     def action_cancel(self) -> None:

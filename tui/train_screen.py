@@ -9,13 +9,13 @@ the metrics file since the last tick; ``--attach RUN_DIR`` watches a run started
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import tomllib
 from collections import deque
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +27,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, RichLog, Static
 
-from localrl.config import TrainConfig, build_config
+from localrl.config import TrainConfig, build_config, load_toml
 from localrl.errors import UserError
 from tui.widgets import REDRAW_INTERVAL, MetricChart
 
@@ -72,8 +72,6 @@ class MetricsFollower:
 
     def poll(self) -> bool:
         """Read what was appended; whether anything new arrived."""
-        import json
-
         try:
             st = self.path.stat()
         except FileNotFoundError:
@@ -259,9 +257,8 @@ class TrainScreen(Screen):
 
     def _steps_from_config(self) -> int:
         try:
-            with (self.run_dir / "config.toml").open("rb") as f:
-                return int(tomllib.load(f)["train"]["steps"])
-        except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
+            return int(load_toml(self.run_dir / "config.toml").get("steps", 0))
+        except UserError:  # not written yet, or damaged: no total to show
             return 0
 
     def on_unmount(self) -> None:

@@ -2,15 +2,21 @@
 ``<think>`` section dimmed and collapsible.
 
 Streaming text is fed from worker threads with ``feed`` (a list append, safe without the UI
-lock) and drawn by ``flush`` on the UI thread from a screen timer, so a fast model costs at
-most one redraw per tick however many tokens arrive.
+lock) and drawn by the message's own timer on the UI thread until ``finish``, so a fast model
+costs at most one redraw per tick however many tokens arrive.
 """
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
+from pathlib import Path
+
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Sparkline, Static
+
+from localrl.atomic import write_text_atomic
 
 REDRAW_INTERVAL = 1 / 20  # seconds between redraws of streaming text and charts
 
@@ -46,12 +52,15 @@ def split_think(text: str) -> tuple[str | None, str]:
 
 
 class Message(Vertical):
-    """One turn of a conversation. Assistant turns may stream (``feed`` + ``flush``)."""
+    """One turn of a conversation. A ``streaming`` one is drawn on a timer from what ``feed``
+    receives, until ``finish``."""
 
-    def __init__(self, role: str, text: str = "", **kwargs):
+    def __init__(self, role: str, text: str = "", streaming: bool = False, **kwargs):
         super().__init__(classes=f"message {role}", **kwargs)
         self.role = role
         self.text = text
+        self.streaming = streaming
+        self._timer = None
         self._pending: list[str] = []
         self.note = ""
         self._body = Static("", classes="body", markup=False)
@@ -65,6 +74,8 @@ class Message(Vertical):
 
     def on_mount(self) -> None:
         self._render_text()
+        if self.streaming:
+            self._timer = self.set_interval(REDRAW_INTERVAL, self.flush)
 
     def feed(self, delta: str) -> None:  # any thread
         self._pending.append(delta)
@@ -79,6 +90,9 @@ class Message(Vertical):
         return True
 
     def finish(self, note: str = "") -> None:
+        self.streaming = False
+        if self._timer is not None:
+            self._timer.stop()
         self.flush()
         self.note = note
         self._render_text()
@@ -94,3 +108,12 @@ class Message(Vertical):
         self._think.title = f"thinking ({len(think or '')} chars)"
         self._think_text.update(think or "")
         self._body.update(prefix + rest.strip() + (f"\n[{self.note}]" if self.note else ""))
+
+
+def save_record(folder: Path, path: Path | None, data: dict) -> Path:
+    """Write ``data`` as JSON (atomically) to ``path``, or to a new timestamped file in ``folder``."""
+    if path is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{datetime.now():%Y%m%d-%H%M%S-%f}.json"
+    write_text_atomic(path, json.dumps(data, indent=1, ensure_ascii=False))
+    return path
