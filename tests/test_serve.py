@@ -89,10 +89,14 @@ def test_api_key_is_required(server):
     assert status == 401
 
 
+def _terminal_chat(source, *flags) -> subprocess.CompletedProcess:
+    """``localrl chat SOURCE`` asked one question on stdin."""
+    return subprocess.run([sys.executable, "-m", "localrl.cli", "chat", str(source), "--max-tokens", "60", *flags],
+                          input="What is 12 + 34?\n", capture_output=True, text=True, timeout=120)
+
+
 def test_terminal_chat_streams_a_reply(tiny_gguf):
-    proc = subprocess.run([sys.executable, "-m", "localrl.cli", "chat", str(tiny_gguf), "--max-tokens", "60",
-                           "--n-ctx", "256"], input="What is 12 + 34?\n", capture_output=True, text=True,
-                          timeout=120)
+    proc = _terminal_chat(tiny_gguf, "--n-ctx", "256")
     assert proc.returncode == 0, proc.stderr
     assert "<think>" in proc.stdout and "</answer>" in proc.stdout
 
@@ -105,9 +109,7 @@ def test_serve_rejects_a_file_that_is_not_gguf(tmp_path):
 
 
 def test_terminal_chat_with_a_torch_model(builtin_model):
-    proc = subprocess.run([sys.executable, "-m", "localrl.cli", "chat", str(builtin_model), "--max-tokens", "60",
-                           "--temperature", "0"], input="What is 12 + 34?\n", capture_output=True, text=True,
-                          timeout=120)
+    proc = _terminal_chat(builtin_model, "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert "<answer>" in proc.stdout and "</answer>" in proc.stdout
 

@@ -225,6 +225,10 @@ async def _agent_task(pilot, app, task: str):
     return screen
 
 
+async def _agent_done(pilot, screen):
+    await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+
+
 def test_agent_runs_an_approved_command_and_the_model_sees_its_output(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -237,7 +241,7 @@ def test_agent_runs_an_approved_command_and_the_model_sees_its_output(tmp_path):
             assert screen.query_one("#command").value == "echo hello > made.txt && cat made.txt"
             assert not (work / "made.txt").exists()  # nothing runs before approval
             await pilot.click("#approve")
-            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+            await _agent_done(pilot, screen)
             return screen.transcript
 
     transcript = run(go())
@@ -262,7 +266,7 @@ def test_agent_runs_the_command_as_edited(tmp_path):
             screen = await _agent_task(pilot, app, "tidy up")
             screen.query_one("#command").value = "echo edited > edited.txt"
             await pilot.press("enter")  # Enter in the command box approves it
-            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+            await _agent_done(pilot, screen)
 
     run(go())
     assert (work / "important").is_dir()
@@ -279,7 +283,7 @@ def test_a_rejected_command_never_runs(tmp_path):
         async with app.run_test(size=SIZE) as pilot:
             screen = await _agent_task(pilot, app, "touch a file")
             await pilot.click("#reject")
-            await wait_for(pilot, lambda: "done" in str(screen.query_one("#agent-status").render()), timeout=30)
+            await _agent_done(pilot, screen)
             return screen.transcript
 
     transcript = run(go())
