@@ -56,11 +56,13 @@ class TorchChat:
         from localrl.rollout import stop_token_ids
         from quant.export import load_merged
 
-        self.model, self.tok, _, self.what = load_merged(source, exportable=False)
+        def has_chat_template(config, tok) -> None:  # checked before any weights load
+            if not tok.chat_template:
+                raise UserError(f"model {source}: its tokenizer has no chat template")
+
+        self.model, self.tok, _, self.what = load_merged(source, check=has_chat_template)
         self.name = Path(source).name or str(source)
         self.stops = set(stop_token_ids(self.tok, self.model))
-        if not self.tok.chat_template:
-            raise UserError(f"model {source}: its tokenizer has no chat template")
 
     @torch.no_grad()
     def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,25 +26,28 @@ class ExportResult:
     report: CheckReport | None
 
 
-def _checked_tokenizer(path: str, config, exportable: bool):
-    """The tokenizer, once (if ``exportable``) the architecture and vocabulary are known to be
-    exportable: before any weights load."""
+def check_exportable(config, tok) -> None:
+    """Stop (one line) unless the architecture and vocabulary can be written to GGUF."""
+    check_architecture(config)
+    vocab_kind(tok)
+
+
+def _checked_tokenizer(path: str, config, check: Callable | None):
+    """The tokenizer, after ``check(config, tok)``: before any weights load."""
     from localrl.modeling import load_tokenizer
 
-    if exportable:
-        check_architecture(config)
     try:
         tok = load_tokenizer(path)
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"model {path}: cannot load its tokenizer ({str(e).strip().splitlines()[0]})") from None
-    if exportable:
-        vocab_kind(tok)
+    if check is not None:
+        check(config, tok)
     return tok
 
 
-def load_merged(source: str | Path, exportable: bool = True):
+def load_merged(source: str | Path, check: Callable | None = check_exportable):
     """(merged full-precision model, tokenizer, tokenizer dir, description of the weights used);
-    ``exportable`` first checks that the architecture and vocabulary can be written to GGUF."""
+    ``check(config, tok)`` runs first, so a model that cannot be used stops before its weights load."""
     from transformers import AutoModelForCausalLM
 
     from localrl.checkpoint import latest_checkpoint
@@ -60,7 +64,7 @@ def load_merged(source: str | Path, exportable: bool = True):
         if ckpt is None:
             raise UserError(f"run {src}: the run has no adapter checkpoint")
         path, config = load_config(cfg.model)
-        tok = _checked_tokenizer(path, config, exportable)
+        tok = _checked_tokenizer(path, config, check)
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
@@ -69,7 +73,7 @@ def load_merged(source: str | Path, exportable: bool = True):
         what = f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
     else:
         path, config = load_config(str(source))
-        tok = _checked_tokenizer(path, config, exportable)
+        tok = _checked_tokenizer(path, config, check)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         what = f"full-precision (float32) weights of {path}"
     return model.eval(), tok, Path(path), what

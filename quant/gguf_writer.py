@@ -127,18 +127,28 @@ def _pre_tokenizer(tokenizer_json: dict) -> str:
     return "default"
 
 
-def vocab_kind(tok) -> str:
-    """The llama.cpp tokenizer model for ``tok``: "gpt2" (byte-level BPE, as in Llama 3 and Qwen)
-    or "llama" (SentencePiece-style BPE with byte fallback, as in Llama 2 and Mistral)."""
+def _tokenizer_json(tok) -> dict:
+    """The tokenizer as transformers runs it (its class may replace the file's pre-tokenizer:
+    Qwen2's splits digits one by one, and llama.cpp must split text the same way)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         raise UserError("export: the tokenizer has no tokenizer.json form (a fast tokenizer); "
                         "only BPE vocabularies are supported")
-    model = json.loads(backend.to_str()).get("model") or {}
+    return json.loads(backend.to_str())
+
+
+def _vocab_kind(tokenizer_json: dict) -> str:
+    model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE":
         raise UserError(f"export: {model.get('type')} tokenizers are not supported; only BPE vocabularies "
                         "(byte-level or SentencePiece-style with byte fallback) are")
     return "llama" if model.get("byte_fallback") else "gpt2"
+
+
+def vocab_kind(tok) -> str:
+    """The llama.cpp tokenizer model for ``tok``: "gpt2" (byte-level BPE, as in Llama 3 and Qwen)
+    or "llama" (SentencePiece-style BPE with byte fallback, as in Llama 2 and Mistral)."""
+    return _vocab_kind(_tokenizer_json(tok))
 
 
 def _merge_pairs(tokenizer_json: dict) -> list[tuple[str, str]]:
@@ -176,10 +186,8 @@ def _adds_specials(tok) -> tuple[bool, bool]:
 def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
     import gguf
 
-    kind = vocab_kind(tok)
-    # The tokenizer as transformers runs it: its class may replace the file's pre-tokenizer
-    # (Qwen2's splits digits one by one), and llama.cpp must split text the same way.
-    tokenizer_json = json.loads(tok.backend_tokenizer.to_str())
+    tokenizer_json = _tokenizer_json(tok)
+    kind = _vocab_kind(tokenizer_json)
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
     tokens, types = [], []
