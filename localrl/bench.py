@@ -4,6 +4,16 @@
 naive concatenated forward and with the shared-prompt forward, on the same 4-bit + LoRA
 model, and measures each one's peak memory.
 
+``localrl bench grpo-step`` times whole GRPO steps of localrl and of TRL's GRPOTrainer on the
+same model, with prompts built to an exact token count (``exact_length_prompts``) and
+completions of exactly R tokens; both counts are checked on what each trainer saw.
+
+``localrl bench export`` exports the built-in model to each quant type and validates every
+file in llama.cpp.
+
+Every benchmark takes its sizes as parameters (the CLI's ``--prompt-len``, ``--quant``, ...;
+``--model-size tiny`` swaps in ``TINY_SHAPE``), so each can be smoke-tested in seconds.
+
 Peak memory is the peak of live tensor allocations above the level before the run: on the
 CPU replayed from the allocation events of torch's profiler, on CUDA the caching
 allocator's ``max_memory_allocated``. The CPU resident-set peak is printed beside it; it
@@ -14,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import random
 import statistics
+import string
 import time
 from pathlib import Path
 
@@ -24,10 +36,16 @@ from localrl.errors import UserError
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
-PROMPT_CACHE_SHAPES = [(1000, 100, 8), (4000, 64, 8)]
-# The Qwen2-style model both timing benchmarks use (random weights; ~3M parameters besides embeddings).
+PROMPT_CACHE_SHAPES = [(1000, 100, 8), (4000, 64, 8)]  # (P, R, G)
+# The Qwen2-style model both timing benchmarks use (random weights; ~12M parameters besides embeddings).
 BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=2, max_position_embeddings=8192)
+# A ~70k-parameter stand-in with the same layout (GQA, 4-bit-compatible widths), for smoke tests only.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=8192)
+MODEL_SHAPES = {"full": BENCH_SHAPE, "tiny": TINY_SHAPE}
+# Characters the grpo-step prompts are drawn from; merges between them are undone by exact_length_prompts.
+PROMPT_ALPHABET = string.ascii_lowercase + " "
 
 
 def _rss_kib(field: str) -> int:
@@ -87,8 +105,8 @@ class PeakMemory:
         return False
 
 
-def bench_model(device: torch.device, load_in_4bit: bool = True):
-    """A randomly initialised Qwen2-style model (3M parameters, 8k context) with LoRA adapters."""
+def bench_model(device: torch.device, load_in_4bit: bool = True, shape: dict = BENCH_SHAPE):
+    """A randomly initialised Qwen2-style model of ``shape`` (8k context, 8k vocabulary) with LoRA adapters."""
     import tempfile
 
     from peft import LoraConfig, get_peft_model
@@ -96,7 +114,7 @@ def bench_model(device: torch.device, load_in_4bit: bool = True):
 
     from localrl.modeling import load_base
 
-    config = Qwen2Config(vocab_size=8192, **BENCH_SHAPE)
+    config = Qwen2Config(vocab_size=8192, **shape)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
@@ -122,10 +140,16 @@ def _fwd_bwd(model, rollout: Rollout, forward_cls, micro_batch: int) -> None:
             fwd.logprobs(slice(i, min(i + micro_batch, n))).sum().backward()
 
 
-def bench_prompt_cache(shapes=PROMPT_CACHE_SHAPES, repeats: int = 3, device: str = "cpu", log=print) -> list[dict]:
+def bench_prompt_cache(shapes: list[tuple[int, int, int]] = PROMPT_CACHE_SHAPES, repeats: int = 3,
+                       device: str = "cpu", log=print, model_shape: dict = BENCH_SHAPE) -> list[dict]:
     """Naive vs shared-prompt forward+backward: median time and peak memory per (P, R, G)."""
+    for p, r, g in shapes:
+        if p < 1 or r < 1 or g < 2:
+            raise UserError(f"bench prompt-cache: shape P={p} R={r} G={g}: need P, R >= 1 and G >= 2")
+    if repeats < 1:
+        raise UserError("bench prompt-cache: need --repeats >= 1")
     dev = torch.device(device)
-    model = bench_model(dev)
+    model = bench_model(dev, shape=model_shape)
     rows = []
     log(f"{'P':>5} {'R':>4} {'G':>2} | {'naive s':>8} {'cached s':>8} {'speedup':>7} {'limit':>5} | "
         f"{'naive MB':>8} {'cached MB':>9} {'mem ratio':>9} | {'RSS ratio':>9}")
@@ -162,18 +186,55 @@ def bench_prompt_cache(shapes=PROMPT_CACHE_SHAPES, repeats: int = 3, device: str
     return rows
 
 
-def _bench_policy_dir(root: Path, vocab_tokenizer) -> Path:
-    """A random Qwen2-style model (the bench shape) with the built-in byte tokenizer, no chat template."""
+def _bench_policy_dir(root: Path, tok, shape: dict = BENCH_SHAPE) -> Path:
+    """A random Qwen2-style model of ``shape`` with tokenizer ``tok`` (its chat template removed) saved in ``root``."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    tok = vocab_tokenizer
-    tok.chat_template = None  # prompts are raw text, so both trainers see exactly P tokens
+    tok.chat_template = None  # prompts are raw text, so both trainers encode them as tok(text), to exactly P tokens
     config = Qwen2Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None, **BENCH_SHAPE)
+                         bos_token_id=None, **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root)
     tok.save_pretrained(root)
     return root
+
+
+def exact_length_prompts(tok, length: int, count: int, seed: int = 0, alphabet: str = PROMPT_ALPHABET) -> list[str]:
+    """``count`` random texts that ``tok(text)["input_ids"]`` (how localrl and TRL both encode a raw-text
+    prompt, special tokens included) turns into exactly ``length`` tokens.
+
+    Built from token ids, not characters: random ids of the alphabet's single-character tokens are
+    decoded and the text re-encoded; where the two differ (BPE merged neighbours into one token, say),
+    the first differing id is redrawn, until the text encodes to exactly the ids it was made of.
+    Raises UserError when the tokenizer cannot meet the count.
+    """
+    specials = len(tok("")["input_ids"])  # what the tokenizer adds to every text itself (a BOS, say)
+    body = length - specials
+    if body < 1:
+        raise UserError(f"prompt length {length}: the tokenizer adds {specials} special token(s) to every text; "
+                        f"need a length above {specials}")
+    atoms = sorted({ids[0] for c in alphabet
+                    if len(ids := tok(c, add_special_tokens=False)["input_ids"]) == 1 and tok.decode(ids) == c})
+    if not atoms:
+        raise UserError(f"prompt length {length}: no character of {alphabet!r} is a single token of this tokenizer")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        ids = [rng.choice(atoms) for _ in range(body)]
+        for _ in range(100 + 4 * body):  # each redraw repairs one spot; merges are rare, so few are needed
+            text = tok.decode(ids, clean_up_tokenization_spaces=False)
+            got = tok(text, add_special_tokens=False)["input_ids"]
+            if got == ids:
+                break
+            i = next((k for k, (x, y) in enumerate(zip(got, ids)) if x != y), min(len(got), len(ids)))
+            ids[min(i, body - 1)] = rng.choice(atoms)
+        else:
+            raise UserError(f"prompt length {length}: could not build a text that encodes to exactly {length} tokens")
+        n = len(tok(text)["input_ids"])
+        if n != length:  # the encoding both trainers use, special tokens included
+            raise UserError(f"prompt length {length}: the built prompt encodes to {n} tokens, not {length}")
+        prompts.append(text)
+    return prompts
 
 
 def distinct_chars(completions, **_) -> list[float]:
@@ -182,56 +243,58 @@ def distinct_chars(completions, **_) -> list[float]:
 
 
 def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: int = 8, steps: int = 3,
-                    log=print) -> dict:
+                    log=print, model_shape: dict = BENCH_SHAPE) -> dict:
     """Whole GRPO steps (generation, scoring, update) of localrl and of TRL's GRPOTrainer, same model.
 
-    Both get one prompt of ``prompt_len`` tokens per step, G completions of exactly
+    Both get one prompt of exactly ``prompt_len`` tokens per step, G completions of exactly
     ``completion_len`` tokens (no stop token can end them early), the same reward, a 4-bit
-    NF4 base with the same LoRA adapters, beta = 0, one optimisation pass. The first step
-    of each is a warm-up; the median of the rest is reported.
+    NF4 base with the same LoRA adapters, beta = 0, one optimisation pass. Both lengths are
+    checked on what each trainer actually encoded and generated. Runs ``steps`` + 1 steps of
+    each: the first is a warm-up; the median of the rest is reported.
     """
-    import random
     import tempfile
 
+    try:  # first, so that without TRL the command fails at once
+        from trl import GRPOConfig, GRPOTrainer
+        from datasets import Dataset
+        from transformers import TrainerCallback
+    except ImportError:
+        raise UserError("bench grpo-step: needs TRL (pip install -e '.[bench]')") from None
     from peft import LoraConfig, get_peft_model
 
     from localrl.config import TrainConfig
     from localrl.modeling import load_base, load_tokenizer
+    from localrl.models.recipe import build_tokenizer
+    from localrl.rollout import encode_prompts
     from localrl.tasks import Task
     from localrl.trainer import train_step
-    from models.recipe import build_tokenizer
 
-    try:
-        from datasets import Dataset
-        from transformers import TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
-    except ImportError:
-        raise UserError("bench grpo-step: needs TRL (pip install -e '.[bench]')") from None
+    if prompt_len < 1 or completion_len < 1 or group < 2 or steps < 1:
+        raise UserError("bench grpo-step: need --prompt-len and --completion-len >= 1, --group >= 2, --repeats >= 1")
 
-    rng = random.Random(0)
-    prompts = ["".join(rng.choice("abcdefghij klmnopqrst") for _ in range(prompt_len)) for _ in range(steps + 1)]
-    rows = [{"prompt": p, "answer": "0"} for p in prompts]
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     device = torch.device("cpu")
+    seen: dict[str, list[int]] = {"TRL prompt": [], "TRL completion": []}
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(_bench_policy_dir(Path(tmp) / "model", build_tokenizer()))
-        tok = load_tokenizer(path)
-        assert all(len(tok(p)["input_ids"]) == prompt_len for p in prompts)
+        path = str(_bench_policy_dir(Path(tmp) / "model", build_tokenizer(), model_shape))
+        tok = load_tokenizer(path)  # as both trainers load it, so the prompts are measured with the same one
+        rows = [{"prompt": p, "answer": "0"} for p in exact_length_prompts(tok, prompt_len, steps + 1)]
 
         # localrl: its own step function, stop tokens disabled so every completion has R tokens
         cfg = TrainConfig(model=path, data="rows", prompts_per_step=1, group_size=group,
                           max_new_tokens=completion_len, beta=0.0, eval_size=0).validate()
+        ours_prompt = [len(ids) for ids in encode_prompts(tok, rows)]  # the encoding train_step uses
         torch.manual_seed(0)
         model = get_peft_model(load_base(path, True, device), lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         task = Task("rows", rows, [])
-        rewards, weights = [distinct_chars], [1.0]
-        ours = []
+        ours, ours_completion = [], []
         for step in range(steps + 1):
             t0 = time.perf_counter()
-            train_step(model, tok, optimizer, task, step, cfg, rewards, weights, stops=[])
+            record = train_step(model, tok, optimizer, task, step, cfg, [distinct_chars], [1.0], stops=[])
             ours.append(time.perf_counter() - t0)
+            ours_completion.append(record["completion_len"])  # mean tokens per completion; all truncated at R
         log(f"localrl steps (s): {', '.join(f'{t:.2f}' for t in ours)}")
         del model, optimizer
         gc.collect()
@@ -247,6 +310,19 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
             def on_step_end(self, args, state, control, **kw):
                 self.times.append(time.perf_counter() - self._t0)
 
+        class CheckedGRPOTrainer(GRPOTrainer):
+            """GRPOTrainer unchanged, but recording how many tokens each prompt it encoded has."""
+
+            def _tokenize_prompts(self, prompts):
+                out = super()._tokenize_prompts(prompts)
+                seen["TRL prompt"].extend(len(ids) for ids in out[0])
+                return out
+
+        def reward(completions, completion_ids, **kw) -> list[float]:
+            seen["TRL completion"].extend(len(ids) for ids in completion_ids)  # after TRL cut at any eos
+            return distinct_chars(completions)
+
+        reward.__name__ = distinct_chars.__name__  # TRL names its reward metrics after the function
         timer = StepTimer()
         torch.manual_seed(0)
         trl_model = get_peft_model(load_base(path, True, device), lora)
@@ -257,10 +333,25 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
                           max_steps=steps + 1, beta=0.0, learning_rate=cfg.lr, logging_steps=1000, report_to="none",
                           save_strategy="no", bf16=False, fp16=False, shuffle_dataset=False, seed=0,
                           disable_tqdm=True)
-        trainer = GRPOTrainer(model=trl_model, reward_funcs=rewards[0], args=args,
-                              train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
+        trainer = CheckedGRPOTrainer(model=trl_model, reward_funcs=reward, args=args,
+                                     train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
         trainer.train()
         log(f"TRL steps (s):     {', '.join(f'{t:.2f}' for t in timer.times)}")
+
+    # The comparison only holds if both did the same work: say so loudly rather than print a ratio.
+    checks = {"localrl prompt": (ours_prompt, prompt_len), "localrl completion": (ours_completion, completion_len),
+              "TRL prompt": (seen["TRL prompt"], prompt_len),
+              "TRL completion": (seen["TRL completion"], completion_len)}
+    for what, (lengths, want) in checks.items():
+        if not lengths:  # TRL renamed the hooks these are read from: fix the bench, do not skip the check
+            raise RuntimeError(f"bench grpo-step: {what} lengths were not observed; cannot check they are {want}")
+        if any(n != want for n in lengths):
+            raise RuntimeError(f"bench grpo-step: {what} lengths {sorted(set(lengths))}, expected {want} "
+                               f"tokens each; the comparison would not be like for like")
+    if len(ours) != steps + 1 or len(timer.times) != steps + 1:
+        raise RuntimeError(f"bench grpo-step: timed {len(ours)} localrl and {len(timer.times)} TRL steps, "
+                           f"expected {steps + 1} each")
+    log(f"checked: every prompt was {prompt_len} tokens and every completion {completion_len} tokens in both")
 
     t_ours, t_trl = statistics.median(ours[1:]), statistics.median(timer.times[1:])
     result = {"P": prompt_len, "R": completion_len, "G": group, "localrl_s": t_ours, "trl_s": t_trl,
@@ -270,20 +361,36 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
     return result
 
 
-def bench_export(source: str = "tiny-arith", log=print) -> list[dict]:
-    """Export ``source`` to every quant type; time, file size and the llama.cpp validation figures of each."""
+def export_quants(quants: list[str] | None = None) -> list[str]:
+    """The quant types ``bench export`` measures: ``quants`` checked against the known ones, or all of them."""
+    from localrl.quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES
+
+    known = [*QUANT_TYPES, *K_QUANT_TYPES]
+    if quants is None:
+        return known
+    unknown = [q for q in quants if q not in known]
+    if unknown or not quants:
+        raise UserError(f"bench export: unknown quant type(s) {', '.join(unknown) or '(none given)'}; "
+                        f"known: {', '.join(known)}")
+    return list(quants)
+
+
+def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, log=print) -> list[dict]:
+    """Export ``source`` to each of ``quants`` (default: every quant type); time, file size and the
+    llama.cpp validation figures of each."""
     import tempfile
 
-    from quant.export import export, load_merged
-    from quant.gguf_check import check_gguf
-    from quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES
+    from localrl.quant.export import export
+    from localrl.quant.gguf_check import check_gguf
+    from localrl.runs import load_merged
 
+    quants = export_quants(quants)
     model, tok, _, _ = load_merged(source)  # the torch reference every file is compared with
     rows = []
     log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'max|dlogit|':>11} "
         f"{'of range':>8} {'greedy':>6} | result")
     with tempfile.TemporaryDirectory() as tmp:
-        for quant in [*QUANT_TYPES, *K_QUANT_TYPES]:
+        for quant in quants:
             out = Path(tmp) / f"{quant}.gguf"
             t0 = time.perf_counter()
             result = export(source, out, quant, check=False, log=lambda *_: None)

@@ -2,14 +2,15 @@
 (its adapter merged onto the full-precision base) or a model directory through torch.
 
 ``stream(messages)`` yields the reply's text piece by piece and stops early when ``cancel``
-is set; ``localrl chat`` and the terminal UI's Chat and Agent screens use it.
+is set; ``localrl chat`` (``terminal_chat``) and the terminal UI's Chat and Agent screens use it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, TextIO
 
 import torch
 
@@ -25,14 +26,16 @@ class ChatModel(Protocol):
 
 
 class GGUFChat:
-    def __init__(self, path: str | Path, n_ctx: int = 2048):
+    """A GGUF through llama-cpp-python; ``n_ctx`` 0 means the context the model was trained with."""
+
+    def __init__(self, path: str | Path, n_ctx: int = 0):
         from llama_cpp import Llama
 
-        from localrl.serve import check_gguf_file
+        from localrl.quant.gguf_info import read_gguf_info
 
-        self.path = check_gguf_file(path)
-        self.name = self.path.name
-        self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx, verbose=False)
+        info = read_gguf_info(path)
+        self.path, self.name = info.path, info.path.name
+        self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx or info.context_length or 2048, verbose=False)
 
     def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
         chunks = self.llm.create_chat_completion(messages=messages, max_tokens=max_tokens,
@@ -54,7 +57,7 @@ class TorchChat:
 
     def __init__(self, source: str | Path):
         from localrl.rollout import stop_token_ids
-        from quant.export import load_merged
+        from localrl.runs import load_merged
 
         def has_chat_template(config, tok) -> None:  # checked before any weights load
             if not tok.chat_template:
@@ -92,8 +95,33 @@ class TorchChat:
         pass
 
 
-def open_chat_model(source: str | Path, n_ctx: int = 2048) -> ChatModel:
+def open_chat_model(source: str | Path, n_ctx: int = 0) -> ChatModel:
     """A GGUF file, a run directory or a model directory / built-in name, ready to chat."""
     if str(source).endswith(".gguf"):
         return GGUFChat(source, n_ctx)
     return TorchChat(source)
+
+
+def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, system: str | None = None,
+                  temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+    """A plain streaming chat with a GGUF, a run or a model: one user line per turn; an empty
+    line, EOF or /exit ends it."""
+    model = open_chat_model(source, n_ctx)
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() in ("", "/exit"):
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = []
+        for delta in model.stream(messages, max_tokens=max_tokens, temperature=temperature):
+            reply.append(delta)
+            stdout.write(delta)
+            stdout.flush()
+        stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    model.close()

@@ -21,69 +21,71 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from localrl.config import FIELDS, build_config
+from localrl.config import FIELDS, build_config, fields_help, split_overrides
 from localrl.errors import UserError
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) -> None:
-    """One ``--field-name`` flag per config field; booleans also get ``--no-field-name``."""
-    for name, f in FIELDS.items():
-        if only is not None and name not in only:
-            continue
-        flags = ["--" + name.replace("_", "-")] + (["--4bit"] if name == "load_in_4bit" else [])
-        kind = type(f.default)
-        if kind is bool:
-            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f.metadata["help"])
-        else:
-            parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                                help=f"{f.metadata['help']} (default: {f.default!r})")
-
-
-def _overrides(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k in FIELDS}
+EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "format_weight",
+               "max_new_tokens", "load_in_4bit", "device"]
+FIELD_COMMANDS = {"train": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
 
 
 class ProgressBar:
-    """A rich progress bar fed by metrics records: step, reward, accuracy, ETA."""
+    """A rich progress display fed by metrics records: what the run is loading, the held-out
+    evaluation's progress, then steps with reward, accuracy, KL and an ETA."""
 
     def __init__(self, total: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), transient=False)
-        self.task = self.progress.add_task("train", total=total, stats="")
+        self.console = self.progress.console
         self.total = total
+        self.tasks: dict[str, int] = {}
+
+    def _task(self, key: str, description: str, total: int, completed: int = 0) -> int:
+        if key not in self.tasks:
+            self.tasks[key] = self.progress.add_task(description, total=total, completed=completed, stats="")
+            if not self.progress.live.is_started:
+                self.progress.start()
+        return self.tasks[key]
 
     def __call__(self, record: dict) -> None:
-        if record.get("kind") == "eval":
-            self.progress.console.print(f"eval {record['when']}: {_eval_line(record)}")
-            return
-        if not self.progress.live.is_started:  # start the clock at the first step (after loading and eval)
-            self.progress.start()
-            self.progress.reset(self.task, completed=record["step"] - 1)
-        kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
-        stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
-        self.progress.update(self.task, completed=record["step"], stats=stats)
+        kind = record.get("kind")
+        if kind == "status":
+            if "total" not in record:
+                self.console.print(record["message"])
+            elif record["total"]:
+                task = self._task(f"eval-{record.get('when')}", f"eval {record.get('when')}", record["total"])
+                self.progress.update(task, completed=record["done"])
+        elif kind == "eval":
+            self.console.print(f"eval {record['when']}: {_eval_line(record)}")
+        elif kind == "train":  # the clock starts at the first step, after loading and evaluation
+            task = self._task("train", "train", self.total, record["step"] - 1)
+            kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
+            stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
+            self.progress.update(task, completed=record["step"], stats=stats)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
 
 def _eval_line(r: dict) -> str:
     return f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
+    _quiet_libraries()
     from localrl.trainer import resume_config, train
 
     if args.resume:
-        cfg = resume_config(args.resume, _overrides(args))
+        cfg = resume_config(args.resume, overrides)
     else:
-        cfg = build_config(args.config, _overrides(args))
+        cfg = build_config(args.config, overrides)
     bar = ProgressBar(cfg.steps)
     try:
-        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.progress.console.print)
+        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.console.print)
     finally:
         bar.close()
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
@@ -95,39 +97,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from localrl.evaluate import evaluate
-    from localrl.modeling import load_adapter, load_base, load_config, load_tokenizer, pick_device
-    from localrl.tasks import load_task
-    from localrl.trainer import default_rewards, resume_config
+def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
+    _quiet_libraries()
+    from localrl.evaluate import evaluate_policy
+    from localrl.runs import Run
 
-    if args.run:
-        from localrl.checkpoint import latest_checkpoint
+    cfg = Run.open(args.run).read_config(overrides) if args.run else build_config(None, overrides)
+    bar = ProgressBar(0)
 
-        cfg = resume_config(args.run, _overrides(args))
-        ckpt = latest_checkpoint(Path(args.run))
-        if ckpt is None:
-            raise UserError(f"run {args.run}: has no checkpoint to evaluate")
-    else:
-        cfg, ckpt = build_config(None, _overrides(args)), None
-    rewards, weights = default_rewards(cfg)
-    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size)
-    if not task.held_out:
-        raise UserError(f"data {cfg.data}: no held-out rows to evaluate on")
-    device = pick_device(cfg.device)
-    if ckpt is not None:
-        model, tok = load_adapter(cfg.model, ckpt, cfg.load_in_4bit, device)
-    else:
-        path, _ = load_config(cfg.model)
-        model, tok = load_base(path, cfg.load_in_4bit, device), load_tokenizer(path)
-    result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size)
-    what = f"{args.run} ({ckpt.name})" if ckpt else cfg.model
-    print(json.dumps({"model": what, **result}) if args.json else f"{what}: {_eval_line(result)}")
+    def progress(done: int, total: int) -> None:
+        bar({"kind": "status", "when": "held-out", "done": done, "total": total})
+
+    try:
+        result = evaluate_policy(cfg, args.run, progress=None if args.json else progress)
+    finally:
+        bar.close()
+    print(json.dumps(result) if args.json else f"{result['model']}: {_eval_line(result)}")
     return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from models import ROOT, builtin_names
+    from localrl.models import ROOT, builtin_names
 
     if args.action == "list":
         for name in builtin_names():
@@ -136,7 +126,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from models.recipe import RECIPES, pretrain
+    from localrl.models.recipe import RECIPES, pretrain
 
     if args.name not in RECIPES:
         raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
@@ -153,28 +143,43 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from localrl.bench import bench_export, bench_grpo_step, bench_prompt_cache
+    from localrl.bench import (MODEL_SHAPES, PROMPT_CACHE_SHAPES, bench_export, bench_grpo_step,
+                               bench_prompt_cache, export_quants)
     from localrl.modeling import pick_device
 
+    shape = MODEL_SHAPES[args.model_size]
+    model = "4-bit Qwen2-style model" + (" (tiny, smoke test)" if args.model_size == "tiny" else "")
     if args.what == "export":
-        print("export benchmark: the built-in model to every quant type, validated in llama.cpp "
+        if any(v is not None for v in (args.prompt_len, args.completion_len, args.group)) or args.model_size != "full":
+            raise UserError("bench export: --prompt-len, --completion-len, --group and --model-size are for "
+                            "prompt-cache and grpo-step")
+        quants = [q.strip() for flag in args.quant for q in flag.split(",") if q.strip()] if args.quant else None
+        quants = export_quants(quants)  # unknown names fail here, before anything runs
+        which = "every quant type" if args.quant is None else ", ".join(quants)
+        print(f"export benchmark: the built-in model to {which}, validated in llama.cpp "
               "(export time includes loading the model)")
-        rows = bench_export()
+        rows = bench_export(quants=quants)
         if args.json:
             print(json.dumps(rows))
         return 0 if all(r["passed"] for r in rows) else 1
 
+    if args.quant:
+        raise UserError(f"bench {args.what}: --quant is for bench export")
+    given = (args.prompt_len, args.completion_len, args.group)
+    p, r, g = (d if v is None else v for v, d in zip(given, (1000, 100, 8)))  # 0 stays 0, for the checks
     if args.what == "grpo-step":
-        print("grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G=8, P=1000, R=100, "
-              "4-bit Qwen2-style model with LoRA, cpu")
-        result = bench_grpo_step(steps=args.repeats)
+        print(f"grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G={g}, P={p}, R={r}, "
+              f"{model} with LoRA, cpu, median of {args.repeats} steps after a warm-up")
+        result = bench_grpo_step(prompt_len=p, completion_len=r, group=g, steps=args.repeats, model_shape=shape)
         if args.json:
             print(json.dumps(result))
         return 0
+    # prompt-cache: its two standard shapes, or the one shape the flags give (the rest as in grpo-step)
+    shapes = PROMPT_CACHE_SHAPES if given == (None, None, None) else [(p, r, g)]
     device = pick_device(args.device)
-    print(f"prompt-cache benchmark: one GRPO group, forward+backward, 4-bit Qwen2-style model with LoRA, "
+    print(f"prompt-cache benchmark: one GRPO group, forward+backward, {model} with LoRA, "
           f"{device.type}, median of {args.repeats}")
-    rows = bench_prompt_cache(repeats=args.repeats, device=device.type)
+    rows = bench_prompt_cache(shapes=shapes, repeats=args.repeats, device=device.type, model_shape=shape)
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -198,13 +203,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from quant.export import export
+    from localrl.quant.export import export
 
     result = export(args.source, args.out, args.quant, check=not args.no_check)
-    if result.report is None:
-        return 0
-    print(result.report.describe())
-    return 0 if result.report.passed else 1
+    if result.report is not None:
+        print(result.report.describe())
+    return 0 if result.path is not None else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -215,9 +219,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from localrl.serve import chat
+    from localrl.chat import terminal_chat
 
-    chat(args.source, args.n_ctx, args.max_tokens, args.system, args.temperature)
+    terminal_chat(args.source, args.n_ctx, args.max_tokens, args.system, args.temperature)
     return 0
 
 
@@ -244,7 +248,7 @@ def cmd_baselines(args: argparse.Namespace) -> int:
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
-    from tui.app import run_tui
+    from localrl.tui.app import run_tui
 
     run_tui(args.attach, args.model, args.workdir, args.runs_dir)
     return 0
@@ -254,17 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)")
+    # train and eval take config fields as flags (--field value), parsed by config.parse_overrides
+    fields = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)",
+                       formatter_class=fields, allow_abbrev=False, usage="localrl train [--config FILE.toml] "
+                       "[--resume RUN_DIR] [--FIELD VALUE ...]", epilog="config fields:\n" + fields_help())
     p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    _add_config_flags(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter")
+    p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter",
+                       formatter_class=fields, allow_abbrev=False, usage="localrl eval [RUN_DIR] [--json] "
+                       "[--FIELD VALUE ...]", epilog="config fields: " + ", ".join(EVAL_FIELDS))
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
-    _add_config_flags(p, ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward",
-                          "format_weight", "max_new_tokens", "load_in_4bit", "device"])
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="write a run (adapter merged onto its base) or a model to GGUF, then validate it")
@@ -277,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a GGUF over an OpenAI-compatible HTTP API (llama-cpp-python)")
     p.add_argument("gguf", help="model file (.gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (default 8000)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
-    p.add_argument("--n-ctx", type=int, default=2048, help="context length")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length (default 0: the model's training context)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="streaming terminal chat with a GGUF, a run or a model")
@@ -287,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (0: greedy)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--n-ctx", type=int, default=2048, help="context length")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("tui", help="terminal UI: train and watch runs, chat with a model, a terminal agent")
@@ -321,8 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument("what", choices=["prompt-cache", "grpo-step", "export"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens P (grpo-step: 1000; prompt-cache: this one "
+                   "shape instead of P,R,G = 1000,100,8 and 4000,64,8)")
+    p.add_argument("--completion-len", type=int, help="completion tokens R (default 100)")
+    p.add_argument("--group", type=int, help="completions per prompt G (default 8)")
+    p.add_argument("--quant", action="append", metavar="TYPE[,TYPE...]",
+                   help="export: quant types to measure, repeatable or comma-separated (default: all)")
+    p.add_argument("--model-size", default="full", choices=["full", "tiny"],
+                   help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models")
@@ -350,8 +365,13 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] in FIELD_COMMANDS:  # config-field flags are read by config.py, the rest by argparse
+            overrides, rest = split_overrides(argv[1:], FIELD_COMMANDS[argv[0]])
+            args = build_parser().parse_args([argv[0], *rest])
+            return args.func(args, overrides)
+        args = build_parser().parse_args(argv)
         _quiet_libraries()
         return args.func(args)
     except UserError as e:

@@ -2,12 +2,15 @@
 
 Precedence: field defaults < ``--config FILE.toml`` < command-line flags. Every field has
 a default and a one-line help (the ``help`` metadata, also shown by ``localrl train -h``).
-``validate()`` rejects impossible settings before any model is loaded, naming the field.
+``parse_overrides`` reads ``--field value`` flags for the CLI and the terminal UI alike;
+``validate()`` rejects impossible settings before any model is loaded. Every error is a
+``UserError`` that carries the field's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,9 +94,13 @@ class TrainConfig:
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
+        for name, f in FIELDS.items():  # inf and nan pass every comparison below or none: refuse both
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"config field {name}: must be a finite number (got {value!r})", field=name)
         for name, ok, why in checks:
             if not ok:
-                raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})")
+                raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})", field=name)
         if self.memory_budget:
             from localrl.memory import parse_bytes
 
@@ -110,7 +117,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 def coerce(name: str, value: Any, where: str = "") -> Any:
     """Convert ``value`` (a TOML value or a command-line string) to the type of field ``name``."""
     if name not in FIELDS:
-        raise UserError(f"{where}unknown config field {name!r}")
+        raise UserError(f"{where}unknown config field {name!r}", field=name)
     kind = type(FIELDS[name].default)
     if kind is bool:
         if isinstance(value, bool):
@@ -128,7 +135,75 @@ def coerce(name: str, value: Any, where: str = "") -> Any:
             return kind(value)
         except ValueError:
             pass
-    raise UserError(f"{where}config field {name}: expected {kind.__name__}, got {value!r}")
+    raise UserError(f"{where}config field {name}: expected {kind.__name__}, got {value!r}", field=name)
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+
+
+def split_overrides(argv: list[str], allowed: list[str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """(config fields set by flags in ``argv``, the other arguments in order).
+
+    Flags: ``--field value``, ``--field=value``, and for booleans ``--field`` / ``--no-field``
+    (``--4bit`` / ``--no-4bit`` for load_in_4bit), or ``--field true|false``. Later flags win.
+    Only ``allowed`` fields (default: all) are read; values are converted and type-checked.
+    """
+    names = {flag_name(n): n for n in (allowed if allowed is not None else FIELDS)}
+    if "load_in_4bit" in names.values():
+        names["--4bit"] = "load_in_4bit"
+    out: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, value = arg.partition("=")
+        negated = flag.startswith("--no-") and "--" + flag[len("--no-"):] in names
+        name = names.get("--" + flag[len("--no-"):] if negated else flag)
+        i += 1
+        if name is None:
+            rest.append(arg)
+            continue
+        if type(FIELDS[name].default) is bool and not eq:
+            if not negated and i < len(argv) and argv[i].lower() in _BOOL_WORDS:
+                out[name] = coerce(name, argv[i])
+                i += 1
+            else:
+                out[name] = not negated
+            continue
+        if negated:
+            raise UserError(f"flag {flag}: {name} is not a yes/no field", field=name)
+        if not eq:
+            if i == len(argv):
+                raise UserError(f"flag {flag}: needs a value", field=name)
+            value = argv[i]
+            i += 1
+        out[name] = coerce(name, value)
+    return out, rest
+
+
+def parse_overrides(argv: list[str], allowed: list[str] | None = None) -> dict[str, Any]:
+    """Config fields from flags (see ``split_overrides``); anything else is an error naming it."""
+    out, rest = split_overrides(argv, allowed)
+    if rest:
+        guess = rest[0].partition("=")[0].lstrip("-").replace("-", "_")
+        known = guess in FIELDS
+        raise UserError(f"unknown flag {rest[0]!r}" + (" (that config field cannot be set here)" if known else
+                                                       " (config fields are set with --field-name value)"),
+                        field=guess if known else None)
+    return out
+
+
+def fields_help() -> str:
+    """One line per config field, for ``localrl train -h``."""
+    lines = []
+    for name, f in FIELDS.items():
+        flag = flag_name(name) + ("/--no-" + name.replace("_", "-") if type(f.default) is bool else " VALUE")
+        lines.append(f"  {flag:<34} {f.metadata['help']} (default: {f.default!r})")
+    return "\n".join(lines)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

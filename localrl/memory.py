@@ -43,11 +43,14 @@ def parse_bytes(text: str, field: str = "memory_budget") -> int:
     """'10GB', '12GiB', '512MB', '2e9' -> bytes (GB and GiB both mean 2**30 here, as on GPU spec sheets)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
     if not m:
-        raise UserError(f"config field {field}: cannot read {text!r} as a size (for example 10GB or 512MB)")
+        raise UserError(f"config field {field}: cannot read {text!r} as a size (for example 10GB or 512MB)",
+                        field=field)
     unit = (m.group(2) or "b").rstrip("b").rstrip("i")
     value = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
     if value <= 0:
-        raise UserError(f"config field {field}: must be positive (got {text!r})")
+        raise UserError(f"config field {field}: must be positive (got {text!r})", field=field)
+    if value > 2**60:  # also catches 1e999, which reads as infinity
+        raise UserError(f"config field {field}: {text!r} is more memory than any machine has", field=field)
     return int(value)
 
 
@@ -189,21 +192,15 @@ class MemoryBudget:
         self._checkpointing = False
 
     @classmethod
-    def for_run(cls, cfg, task, device) -> "MemoryBudget":
-        """Check the budget from the model's config and tokenizer alone, before its weights load."""
-        from localrl.modeling import load_config, load_tokenizer
-        from localrl.rollout import encode_prompts
-
-        path, config = load_config(cfg.model)
-        tok = load_tokenizer(path)
-        budget = cls(ModelShape.from_config(config), cfg, 2 if device.type == "cuda" else 4)
-        rows = (task.rows or []) + task.held_out + task.sample(0, cfg.prompts_per_step, cfg.seed)
-        longest = max(len(ids) for ids in encode_prompts(tok, rows))
-        plan = budget.plan(longest, cfg.max_new_tokens)
+    def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device) -> "MemoryBudget":
+        """Check the budget against the longest prompt (from the tokenizer alone), before any weights load."""
+        budget = cls(shape, cfg, 2 if device.type == "cuda" else 4)
+        plan = budget.plan(longest_prompt, cfg.max_new_tokens)
         if not plan.fits:
             raise UserError(f"config field memory_budget: {cfg.memory_budget} cannot hold a step with "
-                            f"{cfg.prompts_per_step} prompts of up to {longest} tokens x {cfg.group_size} completions "
-                            f"of {cfg.max_new_tokens} tokens; the smallest plan needs {plan.peak_bytes / GIB:.2f} GiB")
+                            f"{cfg.prompts_per_step} prompts of up to {longest_prompt} tokens x {cfg.group_size} "
+                            f"completions of {cfg.max_new_tokens} tokens; the smallest plan needs "
+                            f"{plan.peak_bytes / GIB:.2f} GiB", field="memory_budget")
         return budget
 
     def plan(self, prompt_len: int, completion_len: int) -> Plan:
@@ -217,3 +214,51 @@ class MemoryBudget:
 
             enable_checkpointing(model)
             self._checkpointing = True
+
+
+def available_bytes(device) -> int | None:
+    """Memory a step can still take: free GPU memory, or the kernel's MemAvailable on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rollout_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_len: int, dtype_bytes: int) -> int:
+    """Sampling's peak: every row's key/value cache at full length plus float32 logits and probabilities."""
+    kv = 2 * shape.kv_heads * shape.head_dim * shape.layers * dtype_bytes * rows * (prompt_len + completion_len)
+    return int(kv + 3 * rows * shape.vocab * 4)
+
+
+def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, plan: Plan | None = None) -> None:
+    """Refuse, before the run starts, a step predicted to need more memory than the machine has free.
+
+    Without a memory budget the step runs as configured (``micro_batch_size``, 1024-token
+    logits chunks); with one, as ``plan``. Either way sampling must hold every row's cache.
+    """
+    free = available_bytes(device)
+    if free is None:
+        return
+    rows = cfg.prompts_per_step * cfg.group_size
+    b = 2 if device.type == "cuda" else 4
+    if plan is None:
+        mb = min(cfg.micro_batch_size or rows, rows)
+        train = sum(predict_peak(shape, cfg.prompts_per_step, cfg.group_size, prompt_len, cfg.max_new_tokens, mb,
+                                 CHUNK_CHOICES[0], False, cfg.lora_rank, cfg.load_in_4bit, b).values())
+    else:
+        train = plan.peak_bytes
+    sample = rollout_bytes(shape, rows, prompt_len, cfg.max_new_tokens, b)
+    need = max(train, sample)
+    if need > free:
+        what = "sampling" if sample >= train else "the training step"
+        raise UserError(f"config: {cfg.prompts_per_step} prompts x group_size {cfg.group_size} with prompts of "
+                        f"{prompt_len} tokens needs about {need / GIB:.1f} GiB for {what}, more than the "
+                        f"{free / GIB:.1f} GiB free; lower group_size or prompts_per_step"
+                        + ("" if cfg.memory_budget else ", or set memory_budget"), field="group_size")

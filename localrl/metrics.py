@@ -1,7 +1,9 @@
 """The metrics sink: the one narrow channel from training to everything that watches it.
 
-Each record is a flat dict; ``kind`` is "train" (one per optimizer step) or "eval". The
-sink appends it to ``metrics.jsonl`` (flushed per line, so ``tail -f``, the terminal UI
+Each record is a flat dict; ``kind`` is "train" (one per optimizer step), "eval" (held-out
+accuracy before and after), "checkpoint" (a checkpoint was saved) or "status" (what the run is
+doing before its first step: loading, evaluating, with ``done``/``total`` progress). The
+sink appends it to the run's metrics file (JSON lines, flushed per line, so ``tail -f``, the terminal UI
 or a plotting script can follow a live run) and calls in-process listeners, such as the
 CLI's progress bar.
 """
@@ -19,9 +21,11 @@ Listener = Callable[[dict], None]
 
 class MetricsSink:
     def __init__(self, path: Path | None = None, listeners: list[Listener] | tuple = ()):
-        self.path = path
+        self.path: Path | None = None
         self.listeners = list(listeners)
-        self._file = path.open("a", encoding="utf-8") if path is not None else None
+        self._file = None
+        if path is not None:
+            self.write_to(path)
 
     def emit(self, record: dict) -> None:
         if self._file is not None:
@@ -29,6 +33,15 @@ class MetricsSink:
             self._file.flush()
         for listener in self.listeners:
             listener(record)
+
+    def write_to(self, path: Path, records: list[dict] | None = None) -> None:
+        """Append every record from now on to ``path``; with ``records``, first replace what the
+        file holds with them, atomically (on resume: drop the steps after the checkpoint)."""
+        self.close()
+        if records is not None:
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         if self._file is not None:
@@ -48,8 +61,3 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def rewrite_metrics(path: Path, records: list[dict]) -> None:
-    """Replace a metrics file atomically (used on resume to drop steps after the checkpoint)."""
-    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))

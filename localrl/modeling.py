@@ -1,5 +1,8 @@
 """Load a causal LM for GRPO: base weights in 4-bit NF4 (bitsandbytes) with LoRA adapters (peft).
 
+NF4 with double quantisation, as in QLoRA: 4-bit normal-float codes in blocks of 64 with
+quantised block scales, dequantised to the compute dtype at every forward.
+
 A model is named by a built-in name, a local Hugging Face directory, or a hub id. The
 name is resolved and its config checked (architecture, files) before any weight is read,
 so a wrong name costs one clear line, not a traceback after a long load.
@@ -11,14 +14,15 @@ stay float32. Unsloth is imported only when ``unsloth=True``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from localrl.errors import UserError
-from models import builtin_names, builtin_path
-from quant.nf4 import keep_trainable_layout, nf4_config
+from localrl.models import builtin_names, builtin_path
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -29,16 +33,19 @@ def resolve_model(name: str) -> str:
     builtin = builtin_path(name)
     if builtin is not None:
         if not (builtin / "config.json").is_file():
-            raise UserError(f"model {name!r}: built-in model is not built; run `localrl models build {name}`")
+            raise UserError(f"model {name!r}: built-in model is not built; run `localrl models build {name}`",
+                            field="model")
         return str(builtin)
     p = Path(name).expanduser()
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
-            raise UserError(f"model {name!r}: not a Hugging Face model directory (no config.json)")
+            raise UserError(f"model {name!r}: not a Hugging Face model directory (no config.json)",
+                            field="model")
         return str(p)
     looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise UserError(f"model {name!r}: no such directory, and not a built-in model ({', '.join(builtin_names())})")
+        raise UserError(f"model {name!r}: no such directory, and not a built-in model "
+                        f"({', '.join(builtin_names())})", field="model")
     return name
 
 
@@ -49,17 +56,18 @@ def load_config(name: str):
     path = resolve_model(name)
     local = Path(path).exists()
     if not local and not _hub_reachable():
-        raise UserError(f"model {name!r}: not found locally and the Hugging Face Hub is unreachable (offline?)")
+        raise UserError(f"model {name!r}: not found locally and the Hugging Face Hub is unreachable (offline?)",
+                        field="model")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         if local:
-            raise UserError(f"model {name!r}: cannot read config.json ({str(e).splitlines()[0]})") from None
+            raise UserError(f"model {name!r}: cannot read config.json ({_first_line(e)})", field="model") from None
         raise UserError(f"model {name!r}: not found locally and could not be fetched from the Hugging Face Hub "
-                        f"(offline or no such repo)") from None
+                        f"(offline or no such repo)", field="model") from None
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise UserError(f"model {name!r}: unsupported architecture {config.model_type!r}; "
-                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}", field="model")
     return path, config
 
 
@@ -86,7 +94,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def pick_device(preference: str = "auto") -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise UserError("device 'cuda': no CUDA GPU is available")
+            raise UserError("config field device: 'cuda' asked for, but no CUDA GPU is available", field="device")
         return torch.device("cuda")
     return torch.device("cpu")
 
@@ -102,18 +110,127 @@ def load_tokenizer(path: str):
 
 def load_base(path: str, load_in_4bit: bool, device: torch.device):
     """The base model, frozen, with its linear layers in NF4 when ``load_in_4bit``."""
-    from transformers import AutoModelForCausalLM
-
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kwargs = {"dtype": compute_dtype, "device_map": {"": device.type}}
     if load_in_4bit:
         kwargs["quantization_config"] = nf4_config(compute_dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = _from_pretrained(path, **kwargs)
     if load_in_4bit and keep_trainable_layout(model) == 0:
         raise RuntimeError("4-bit load produced no Linear4bit layers")
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+# -- 4-bit NF4 (bitsandbytes) ---------------------------------------------------------------
+
+def nf4_config(compute_dtype: torch.dtype):
+    """transformers' quantization_config for loading a model in NF4."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_use_double_quant=True)
+
+
+def count_4bit_layers(model: torch.nn.Module) -> int:
+    """How many bitsandbytes ``Linear4bit`` layers the model holds."""
+    import bitsandbytes as bnb
+
+    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+def keep_trainable_layout(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; returns the layers touched.
+
+    On CPUs with AVX512-BF16, a ``Linear4bit`` run in eval mode without gradients repacks
+    its weight once into a bf16 inference layout, and from then on uses a kernel that has
+    no autograd: gradients through the base weights are silently lost when the model goes
+    back to training, and sampling log-probs drift from the training forward's. GRPO
+    alternates sampling and training on the same model, so the repacking stays off.
+    """
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def load_full(path: str):
+    """The model's own weights in float32 on the CPU (for merging and export, never quantised)."""
+    return _from_pretrained(path, dtype=torch.float32)
+
+
+def _from_pretrained(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    check_weights(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # damaged or mismatched weight files
+        if not Path(path).exists():
+            raise
+        raise UserError(f"model {path}: cannot load its weights ({_first_line(e)})", field="model") from None
+
+
+# -- weight files ------------------------------------------------------------------------------
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    return sorted(f for f in p.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()) if p.is_dir() else []
+
+
+def check_weights(path: str | Path) -> None:
+    """Check a local model's safetensors files are whole (header readable, data as long as it says)
+    in milliseconds, so a truncated or foreign file stops before any run directory or weights load."""
+    files = weight_files(path)
+    if Path(path).is_dir() and not files:
+        raise UserError(f"model {path}: no weight files (*.safetensors or *.bin)", field="model")
+    for f in files:
+        if f.suffix != ".safetensors":
+            continue
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 2 <= n <= min(size - 8, 100 * 2**20):
+                    raise ValueError("no safetensors header")
+                header = json.loads(fh.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+            raise UserError(f"model {path}: {f.name} is not a readable safetensors file ({_first_line(e)})",
+                            field="model") from None
+        if 8 + n + end > size:
+            raise UserError(f"model {path}: {f.name} is truncated ({size} bytes, its header needs {8 + n + end})",
+                            field="model")
+
+
+def weights_fingerprint(path: str | Path, samples: int = 64, chunk: int = 1 << 16) -> str | None:
+    """A fingerprint of a local model's weight files: their names and sizes and ``samples`` chunks
+    spread over each (all of a small file). Cheap on a 10 GB model; two trainings of one shape differ."""
+    files = weight_files(path)
+    if not files:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            if size <= samples * chunk:
+                h.update(fh.read())
+                continue
+            for i in range(samples):
+                fh.seek(i * (size - chunk) // (samples - 1))
+                h.update(fh.read(chunk))
+    return h.hexdigest()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def lora_targets(spec: str) -> str | list[str]:
@@ -134,27 +251,18 @@ def load_policy(cfg, device: torch.device):
     try:
         model = get_peft_model(base, lora)
     except ValueError as e:
-        raise UserError(f"config field lora_targets: {str(e).splitlines()[0]}") from None
+        raise UserError(f"config field lora_targets: {_first_line(e)}", field="lora_targets") from None
     return model, tok
-
-
-def load_adapter(model_name: str, adapter_dir: str | Path, load_in_4bit: bool, device: torch.device):
-    """(base + a saved PEFT adapter, tokenizer), for evaluation."""
-    from peft import PeftModel
-
-    path, _ = load_config(model_name)
-    tok = load_tokenizer(path)
-    base = load_base(path, load_in_4bit, device)
-    return PeftModel.from_pretrained(base, str(adapter_dir)), tok
 
 
 def _load_unsloth(path: str, cfg, device: torch.device):
     if device.type != "cuda":
-        raise UserError("config field unsloth: Unsloth needs a CUDA GPU")
+        raise UserError("config field unsloth: Unsloth needs a CUDA GPU", field="unsloth")
     try:
         from unsloth import FastLanguageModel
     except ImportError:
-        raise UserError("config field unsloth: Unsloth is not installed (pip install 'localrl[unsloth]')") from None
+        raise UserError("config field unsloth: Unsloth is not installed (pip install 'localrl[unsloth]')",
+                        field="unsloth") from None
     os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
     model, tok = FastLanguageModel.from_pretrained(path, load_in_4bit=cfg.load_in_4bit, max_seq_length=4096)
     targets = LINEAR_MODULES if cfg.lora_targets == "all-linear" else lora_targets(cfg.lora_targets)

@@ -87,11 +87,17 @@ def resolve_reward(spec: str) -> RewardFn:
         try:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise UserError(f"reward {spec!r}: cannot import it ({e})") from None
+            raise UserError(f"reward {spec!r}: cannot import it ({e})", field="reward") from None
         if not callable(fn):
-            raise UserError(f"reward {spec!r}: not a callable")
+            raise UserError(f"reward {spec!r}: not a callable", field="reward")
         return fn
-    raise UserError(f"reward {spec!r}: unknown; use one of {', '.join(BUILTIN_REWARDS)} or package.module:function")
+    raise UserError(f"reward {spec!r}: unknown; use one of {', '.join(BUILTIN_REWARDS)} or package.module:function",
+                    field="reward")
+
+
+def default_rewards(reward: str, format_weight: float) -> tuple[list[RewardFn], list[float]]:
+    """The correctness reward named in a config, then the weighted format reward."""
+    return [resolve_reward(reward), format_reward], [1.0, format_weight]
 
 
 def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:

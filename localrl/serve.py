@@ -1,70 +1,239 @@
-"""Serve a GGUF over an OpenAI-compatible HTTP API, or chat with it in the terminal, through llama-cpp-python.
+"""Serve a GGUF over an OpenAI-compatible HTTP API through llama-cpp-python.
 
-``serve`` runs llama-cpp-python's own server (FastAPI + uvicorn): ``/v1/chat/completions``
-(streaming and not), ``/v1/completions``, ``/v1/models``; loopback only unless ``--host``
-says otherwise; an optional API key. Chats are formatted by the chat template stored in
-the GGUF, the one localrl's export writes from the tokenizer.
+It runs llama-cpp-python's own server (FastAPI + uvicorn), loopback only unless ``--host`` says
+otherwise, with an optional API key (``Authorization: Bearer KEY``; the scheme in any case). Routes:
+
+- ``POST /v1/chat/completions`` (streaming and not), formatted by the chat template stored in the
+  GGUF, the one localrl's export writes from the tokenizer (it takes text content, not content parts);
+- ``POST /v1/completions`` (streaming and not; also at ``/v1/engines/copilot-codex/completions``),
+  one prompt per request;
+- ``GET /v1/models``; ``POST /extras/tokenize``, ``/extras/tokenize/count`` and ``/extras/detokenize``;
+- ``POST /v1/embeddings`` is refused with a 404 JSON error: the model is loaded for generation, not embeddings;
+- FastAPI's ``/docs`` and ``/openapi.json`` describe llama-cpp-python's API, refused route included.
+
+Checked before the model loads, each a one-line UserError: ``--port`` (1-65535), ``--n-ctx`` (0, the
+default, is the context the GGUF says the model was trained for, else 2048), the GGUF header, and that
+the port is free (the socket bound then is the one served on).
+
+Checked per request before llama-cpp-python sees it, each a 400 JSON error: the body (JSON, sent with a
+JSON Content-Type) against the server's own request models, and what llama.cpp would crash on or silently
+ignore: an unparsable grammar, token ids outside the vocabulary, several prompts, an empty prompt the model
+cannot start from. A prompt longer than the context gets a 400 ``context_length_exceeded``, streamed or not.
+
+No response carries a traceback or a file path: any other failure is a JSON 500
+``{"error": {"message": "internal error: ...", "type": "server_error"}}``; the details go to the server's log.
 """
 
 from __future__ import annotations
 
+import email.message
+import errno
 import json
-import sys
+import logging
+import re
+import socket
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, Callable
 
 from localrl.errors import UserError
+from localrl.quant.gguf_info import read_gguf_info
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+
+DEFAULT_N_CTX = 2048  # for a GGUF that does not say which context it was trained for
+CHAT = "/v1/chat/completions"
+COMPLETIONS = ("/v1/completions", "/v1/engines/copilot-codex/completions")
+REFUSED = {"/v1/embeddings": "embeddings are not served by this model (it is loaded for text generation only)"}
+
+_CONTEXT_EXCEEDED = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
+# a file path: a drive or slash then two or more components, or three components joined by slashes
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.~+-]+){2,}|[\w.~+-]+(?:[\\/][\w.~+-]+){2,}")
+_log = logging.getLogger("uvicorn.error")  # uvicorn's own error log, shown at the server's log level
 
 
-def check_gguf_file(path: str | Path) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"model {p}: no such file")
-    with p.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise UserError(f"model {p}: not a GGUF file")
-    return p
+def _error(message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> dict:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*(headers or []), (b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _one_line(text: str) -> str:
+    """The first line of an error message, with file paths replaced and no traceback in it."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith("Traceback"):
+        lines = lines[-1:]  # a traceback ends with the exception itself
+    line = _PATH.sub("<path>", lines[0])[:300] if lines else ""
+    if not line or "Traceback" in line or 'File "' in line:
+        return "see the server log"
+    return line
+
+
+def _leaks(text: str) -> bool:
+    return "Traceback" in text or 'File "' in text or _PATH.search(text) is not None
+
+
+class GuardErrors:
+    """ASGI middleware: no response carries a traceback or a file path, and no failure goes unanswered.
+
+    llama-cpp-python answers its route exceptions with a 500 whose message is ``str(exception)``, which for
+    FastAPI's validation errors names the handler's source file, and anything it does not catch becomes a
+    plain-text 500 or a dropped connection. A streamed completion that fails before its first chunk (a prompt
+    over the context) has already said 200 and then sends nothing. So the response start is held until the
+    first body bytes, 5xx bodies (and any error body with a traceback or a path) are rewritten, and an
+    exception becomes an OpenAI-style JSON error; the details go to the server's log.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: dict | None = None  # the response start, not yet sent
+        error_body: list[bytes] | None = None  # an error response's body, collected to be checked
+        started = finished = False  # whether the client got the response start, and its last body
+        sse = False  # whether the response is an event stream
+
+        async def guarded_send(message) -> None:
+            nonlocal held, error_body, started, finished, sse
+            if message["type"] == "http.response.start":
+                held, error_body = message, [] if message["status"] >= 400 else None
+                sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                          for k, v in message.get("headers", []))
+                return
+            if message["type"] != "http.response.body" or held is None:
+                finished = finished or not message.get("more_body", False)
+                return await send(message)
+            more = message.get("more_body", False)
+            if error_body is not None:
+                error_body.append(message.get("body", b""))
+                if more:
+                    return
+                start, body, held = held, b"".join(error_body), None
+                started = finished = True
+                replacement = _checked_error(start["status"], body)
+                if replacement is None:
+                    await send(start)
+                    return await send({"type": "http.response.body", "body": body})
+                kept = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-type",
+                                                                                        b"content-length")]
+                return await _send_json(send, start["status"], replacement, kept)
+            if not message.get("body"):
+                # nothing to say yet, or an end with nothing said: a stream whose generator failed first ends
+                # like this before the exception arrives, so the status stays open until the app returns
+                return
+            start, held, started, finished = held, None, True, not more
+            await send(start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        except Exception as e:
+            status, body = _error_for(e, scope.get("path", ""))
+            if status >= 500 or started:  # the details of a failure go to the log, as they would without this
+                _log.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
+            if finished:
+                return
+            if started:  # mid-stream: the status is out; end the stream, with an error event if it is one
+                error = _error(f"internal error: {_describe(e)}", "server_error")
+                event = b"data: " + json.dumps(error).encode() + b"\n\n" if sse else b""
+                return await send({"type": "http.response.body", "body": event, "more_body": False})
+            return await _send_json(send, status, body)
+        if held is not None:  # an empty response, held above
+            await send(held)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _error_for(e: Exception, path: str) -> tuple[int, dict]:
+    """The status and body for an exception that escaped llama-cpp-python's handlers."""
+    over = _CONTEXT_EXCEEDED.search(str(e))
+    if over:  # raised inside a stream, where llama-cpp-python's own 400 for it cannot reach
+        tokens, window = over.groups()
+        message = f"This model's maximum context length is {window} tokens; the prompt has {tokens}. " \
+                  "Please shorten the prompt."
+        return 400, _error(message, param="messages" if path == CHAT else "prompt", code="context_length_exceeded")
+    return 500, _error(f"internal error: {_describe(e)}", "server_error")
+
+
+def _describe(e: Exception) -> str:
+    return _one_line(str(e)) if str(e).strip() else type(e).__name__  # an assert fails with no message
+
+
+def _checked_error(status: int, body: bytes) -> dict | None:
+    """The body to send instead of an error response's, or None to send it as it is."""
+    text = body.decode("utf-8", "replace")
+    if status < 500 and not _leaks(text):
+        return None
+    message = text
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        inner = parsed.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            message = inner["message"]
+        elif isinstance(parsed.get("detail"), str):
+            message = parsed["detail"]
+    if status >= 500:
+        return _error(f"internal error: {_one_line(message)}", "server_error")
+    return _error(_one_line(message))
 
 
 class ValidateRequests:
-    """ASGI middleware: a malformed completion request gets a 400 JSON error, not the server's generic 500.
+    """ASGI middleware: a request llama-cpp-python would fail on gets a 400 JSON error, a refused route a 404.
 
-    llama-cpp-python's route handler reports request validation failures as internal errors;
-    this checks the body against the server's own request models first.
+    llama-cpp-python's route handler reports request validation failures as internal errors (with its source
+    path in the message); this checks the body against the server's own request models first. With the loaded
+    ``llama`` it also checks what llama.cpp would crash the process on (a token id outside the vocabulary for
+    detokenize, a grammar that does not parse) or silently ignore (logit_bias for such a token id).
     """
 
-    def __init__(self, app, api_key: str | None):
-        from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+    def __init__(self, app, api_key: str | None, llama: Llama | None = None) -> None:
+        from llama_cpp.server.types import (CreateChatCompletionRequest, CreateCompletionRequest,
+                                            DetokenizeInputRequest, TokenizeInputRequest)
 
-        self.app, self.api_key = app, api_key
-        self.models = {"/v1/chat/completions": CreateChatCompletionRequest,
-                       "/v1/completions": CreateCompletionRequest}
+        self.app, self.api_key, self.llama = app, api_key, llama
+        self.models = {CHAT: CreateChatCompletionRequest, **{p: CreateCompletionRequest for p in COMPLETIONS},
+                       "/extras/tokenize": TokenizeInputRequest, "/extras/tokenize/count": TokenizeInputRequest,
+                       "/extras/detokenize": DetokenizeInputRequest}
+        # a model whose tokenizer adds no BOS has nothing to evaluate for an empty prompt (an assertion fails)
+        self.empty_prompt_ok = llama is None or bool(llama.tokenize(b""))
 
-    async def __call__(self, scope, receive, send):
-        model = self.models.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" else None
-        headers = dict(scope.get("headers") or [])
-        if model is None or (self.api_key and headers.get(b"authorization") != f"Bearer {self.api_key}".encode()):
+    def authorized(self, scope) -> bool:
+        """Whether the app's own check (FastAPI's HTTPBearer) passes: the scheme is case-insensitive (RFC 7235)."""
+        if not self.api_key:
+            return True
+        value = next((v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"), b"")
+        scheme, _, credentials = value.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and credentials.strip() == self.api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.authorized(scope):
             return await self.app(scope, receive, send)  # not ours to check, or the app's 401
+        path = scope.get("path", "")
+        if path in REFUSED:
+            return await _send_json(send, 404, _error(REFUSED[path], code="not_served"))
+        if scope["method"] != "POST" or path not in self.models:
+            return await self.app(scope, receive, send)
         body, more = b"", True
         while more:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        from pydantic import ValidationError
-
-        try:
-            model.model_validate_json(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-            error = {"error": {"message": f"{where}: {first.get('msg')}", "type": "invalid_request_error",
-                               "param": where, "code": None}}
-            payload = json.dumps(error).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(payload)).encode())]})
-            await send({"type": "http.response.body", "body": payload})
-            return
+        problem = self.problem(path, body, scope)
+        if problem is not None:
+            where, text = problem
+            return await _send_json(send, 400, _error(f"{where}: {text}", param=where))
         replayed = False
 
         async def replay():
@@ -76,47 +245,126 @@ class ValidateRequests:
 
         await self.app(scope, replay, send)
 
+    @staticmethod
+    def json_content_type(scope) -> bool:
+        """Whether FastAPI will read the body as JSON: its Content-Type is application/json or application/*+json."""
+        value = next((v for k, v in scope.get("headers") or [] if k.lower() == b"content-type"), b"")
+        message = email.message.Message()
+        message["content-type"] = value.decode("latin-1")
+        subtype = message.get_content_subtype()
+        return bool(value) and message.get_content_maintype() == "application" and (subtype == "json" or
+                                                                                   subtype.endswith("+json"))
+
+    def problem(self, path: str, body: bytes, scope) -> tuple[str, str] | None:
+        """What is wrong with a request body, as (parameter, message), or None."""
+        from pydantic import ValidationError
+
+        if not self.json_content_type(scope):  # else FastAPI fails to read the body, a 500 naming its source file
+            return "body", "must be JSON, sent with Content-Type: application/json"
+        try:
+            request = self.models[path].model_validate_json(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            return ".".join(str(x) for x in first.get("loc", ())) or "body", str(first.get("msg"))
+        if path in COMPLETIONS:
+            prompt = request.prompt
+            if isinstance(prompt, list) and len(prompt) > 1:  # llama-cpp-python asserts one
+                return "prompt", f"one prompt per request (got {len(prompt)})"
+            if not (prompt[0] if isinstance(prompt, list) and prompt else prompt) and not request.suffix \
+                    and not self.empty_prompt_ok:
+                return "prompt", "must not be empty"
+        if self.llama is None:
+            return None
+        n_vocab = self.llama.n_vocab()
+        if path == "/extras/detokenize":
+            bad = next((t for t in request.tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:  # llama.cpp aborts the whole process on it
+                return "tokens", f"token id {bad} is not in the model's vocabulary (0-{n_vocab - 1})"
+        if path == CHAT or path in COMPLETIONS:
+            if request.logit_bias and request.logit_bias_type != "tokens":  # else ignored, with a log line each step
+                for key in request.logit_bias:
+                    if not 0 <= _token_id(key) < n_vocab:
+                        return "logit_bias", f"token id {key!r} is not in the model's vocabulary (0-{n_vocab - 1})"
+            if request.grammar and not self.grammar_parses(request.grammar):  # else llama.cpp crashes on it
+                return "grammar", "not a valid GBNF grammar with a root rule"
+        return None
+
+    def grammar_parses(self, grammar: str) -> bool:
+        """Whether llama.cpp accepts a grammar: it returns no sampler for one it cannot parse."""
+        import llama_cpp
+
+        vocab = getattr(getattr(self.llama, "_model", None), "vocab", None)
+        if vocab is None:  # llama-cpp-python moved it: leave the grammar to llama.cpp
+            return True
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        if not sampler:
+            return False
+        llama_cpp.llama_sampler_free(sampler)
+        return True
+
+
+def _token_id(key: str) -> int:
+    """A logit_bias key as llama-cpp-python reads it (``int(key)``); -1 if it is not a number."""
+    try:
+        return int(key)
+    except ValueError:
+        return -1
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) the way uvicorn binds one, or a UserError saying why it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"serve: port {port} on {host} is in use (another server? choose a port with --port)") \
+                from None
+        raise UserError(f"serve: cannot listen on {host} port {port} ({e.strerror or e})") from None
+    return sock
+
 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          n_ctx: int = 2048, log=print) -> None:
-    """Run the server until interrupted."""
-    p = check_gguf_file(path)
+          n_ctx: int = 0, log: Callable[[str], Any] = print) -> None:
+    """Run the server until interrupted; ``n_ctx`` 0 is the context the model was trained for."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"serve: --port must be 1-65535 (got {port})")
+    if n_ctx < 0:
+        raise UserError(f"serve: --n-ctx must be 0 (the model's training context) or more (got {n_ctx})")
+    info = read_gguf_info(path)
+    p, trained = info.path, info.context_length
+    # beyond the training context a small model answers garbage with status 200; within it, llama.cpp's own
+    # check turns a longer prompt into a 400
+    n_ctx = n_ctx or trained or DEFAULT_N_CTX
     try:
         import uvicorn
-        from llama_cpp.server.app import create_app
+        from llama_cpp.server import app as server_app
         from llama_cpp.server.settings import ModelSettings, ServerSettings
     except ImportError:
-        raise UserError("serve: llama-cpp-python's server extras are missing (pip install 'llama-cpp-python[server]')") \
-            from None
-    server = ServerSettings(host=host, port=port, api_key=api_key or None)
-    model = ModelSettings(model=str(p), model_alias=p.stem, n_ctx=n_ctx, verbose=False)
-    app = ValidateRequests(create_app(server_settings=server, model_settings=[model]), api_key)
-    log(f"serving {p} as {p.stem!r} on http://{host}:{port}/v1 (OpenAI-compatible; Ctrl-C stops)")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
-
-
-def chat(source: str | Path, n_ctx: int = 2048, max_tokens: int = 512, system: str | None = None,
-         temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
-    """A plain streaming chat with a GGUF, a run or a model: one user line per turn; an empty
-    line, EOF or /exit ends it."""
-    from localrl.chat import open_chat_model
-
-    model = open_chat_model(source, n_ctx)
-    messages = [{"role": "system", "content": system}] if system else []
-    interactive = stdin.isatty()
-    while True:
-        if interactive:
-            stdout.write("> ")
-            stdout.flush()
-        line = stdin.readline()
-        if not line or line.strip() in ("", "/exit"):
-            break
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply = []
-        for delta in model.stream(messages, max_tokens=max_tokens, temperature=temperature):
-            reply.append(delta)
-            stdout.write(delta)
-            stdout.flush()
-        stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
-    model.close()
+        missing = "serve: llama-cpp-python's server extras are missing (pip install 'llama-cpp-python[server]')"
+        raise UserError(missing) from None
+    sock = _bound_socket(host, port)  # before the model loads, and kept, so the port cannot be taken meanwhile
+    try:
+        server = ServerSettings(host=host, port=port, api_key=api_key or None)
+        model = ModelSettings(model=str(p), model_alias=p.stem, n_ctx=n_ctx, verbose=False)
+        try:
+            app = server_app.create_app(server_settings=server, model_settings=[model])
+        except ValueError as e:  # llama-cpp-python's "Failed to load model" / "Failed to create llama_context"
+            raise UserError(f"serve: llama.cpp cannot load {p} with a {n_ctx}-token context ({e})") from None
+        # the loaded model, for the checks that need its vocabulary (None if llama-cpp-python moves it)
+        proxy = getattr(server_app, "_llama_proxy", None)
+        app = GuardErrors(ValidateRequests(app, api_key, proxy() if proxy is not None else None))
+        address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
+        log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "
+            "(OpenAI-compatible; Ctrl-C stops)")
+        if trained and n_ctx > trained:
+            log(f"note: --n-ctx {n_ctx} is beyond the {trained} tokens the model was trained on: "
+                "replies to longer prompts may be garbage")
+        try:
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
+            pass
+    finally:
+        sock.close()

@@ -11,6 +11,11 @@ The training forward computes each prompt once for its group (prompt_cache.py; w
 simplifications: on-policy sampling from the current adapter; one device. Every random
 choice is seeded from (seed, step), so a resumed run reproduces an uninterrupted one step
 for step.
+
+Before anything is written, ``preflight`` checks what can be checked without weights; the
+run directory (runs.py) then gets its config only once the model (and on resume, the
+checkpoint) has loaded. Watchers learn what happens before the first step from ``status``
+records: loading the model, then the held-out evaluation, batch by batch.
 """
 
 from __future__ import annotations
@@ -20,24 +25,22 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from localrl.atomic import write_text_atomic
-from localrl.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint
-from localrl.config import TrainConfig, build_config, to_toml
+from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.losses import grpo_loss, group_advantages
-from localrl.memory import MemoryBudget
-from localrl.metrics import Listener, MetricsSink, read_metrics, rewrite_metrics
-from localrl.modeling import load_policy, pick_device, resolve_model
+from localrl.memory import MemoryBudget, ModelShape, check_step_fits
+from localrl.metrics import Listener, MetricsSink, read_metrics
+from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
-from localrl.rewards import RewardFn, combine, format_reward, resolve_reward, score
+from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, score
 from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
-from localrl.tasks import load_task
+from localrl.runs import Run, base_fingerprint
+from localrl.tasks import Task, load_task
 
 
 @dataclass
@@ -115,96 +118,165 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def default_rewards(cfg: TrainConfig) -> tuple[list[RewardFn], list[float]]:
-    """The correctness reward named in the config, then the weighted format reward."""
-    return [resolve_reward(cfg.reward), format_reward], [1.0, cfg.format_weight]
+@dataclass
+class Preflight:
+    """What a run learned before loading any weights."""
+
+    task: Task
+    device: torch.device
+    budget: MemoryBudget | None
+    longest_prompt: int  # tokens, through the chat template
 
 
-def _new_run_dir(cfg: TrainConfig) -> Path:
-    run_dir = Path(cfg.run_dir or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(f"run_dir {run_dir}: already exists; continue it with --resume {run_dir}")
-    return run_dir
+def preflight(cfg: TrainConfig) -> Preflight:
+    """Every check a run makes before any weights load or anything is written: the config, the
+    reward, the model (architecture, whole weight files), every prompt (it must fit the model's
+    context together with max_new_tokens), and the memory a step needs against what is free."""
+    cfg.validate()
+    resolve_reward(cfg.reward)
+    path, config = load_config(cfg.model)
+    check_weights(path)
+    tok = load_tokenizer(path)
+    context = getattr(config, "max_position_embeddings", None)
+    if context and cfg.max_new_tokens >= context:
+        raise UserError(f"config field max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the "
+                        f"model's context of {context} tokens", field="max_new_tokens")
+    longest = 0
+    widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
+
+    def fits(row: dict, where: str) -> None:
+        nonlocal longest
+        room = context - cfg.max_new_tokens if context else None
+        prompt = row["prompt"]
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        at_least = chars // widest_token  # a bound that needs no tokenising (a 10 MB line takes half a minute)
+        bounded = room is not None and at_least > room
+        n = at_least if bounded else len(encode_prompts(tok, [row])[0])
+        longest = max(longest, n)
+        if room is not None and n > room:
+            raise UserError(f"{where}: the prompt is {'at least ' if bounded else ''}{n} tokens; with "
+                            f"max_new_tokens {cfg.max_new_tokens} it does not fit the model's context of {context} "
+                            f"tokens (shorten it or lower max_new_tokens)", field="data")
+
+    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits)
+    device = pick_device(cfg.device)
+    shape = ModelShape.from_config(config)
+    budget = MemoryBudget.for_run(cfg, shape, longest, device) if cfg.memory_budget else None
+    check_step_fits(cfg, shape, longest, device, budget.plan(longest, cfg.max_new_tokens) if budget else None)
+    return Preflight(task, device, budget, longest)
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
-    """The saved config of a run, with ``overrides`` (for example more steps) applied."""
-    path = Path(run_dir) / "config.toml"
-    if not path.is_file():
-        raise UserError(f"resume {run_dir}: not a run directory (no config.toml)")
-    cfg = build_config(path, overrides)
-    cfg.run_dir = str(run_dir)
-    return cfg
+    """The saved config of a run, with ``overrides`` (for example more steps) applied; nothing is written."""
+    return Run.open(run_dir, "resume").read_config(overrides)
 
 
-def preflight(cfg: TrainConfig):
-    """The checks a run makes before any weights load (config, reward, data, model name); returns the task."""
-    cfg.validate()
-    resolve_reward(cfg.reward)
-    resolve_model(cfg.model)
-    return load_task(cfg.data, cfg.eval_data, cfg.eval_size)
+def _status(stage: str, message: str, **progress) -> dict:
+    return {"kind": "status", "stage": stage, "message": message, **progress}
 
 
 def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None,
           listeners: list[Listener] | tuple = (), resume: bool = False, log=print) -> RunResult:
     """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint."""
-    task = preflight(cfg)  # bad config, data or model name stops here, before the model loads
-    reward_fns, weights = rewards or default_rewards(cfg)
-    run_dir = Path(cfg.run_dir) if resume else _new_run_dir(cfg)
+    pre = preflight(cfg)  # bad config, data, model or memory stops here, before anything is written
+    task, device = pre.task, pre.device
+    reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight)
+    base = base_fingerprint(cfg.model)
+    if resume:
+        run = Run.open(cfg.run_dir, "resume")
+        run.check_base(base)
+    else:
+        run = Run.create(cfg.run_dir or None, log)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    budget = MemoryBudget.for_run(cfg, task, device) if cfg.memory_budget else None  # before any weight loads
-    torch.manual_seed(cfg.seed)
-    model, tok = load_policy(cfg, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.toml", to_toml(cfg))
-    metrics_path = run_dir / "metrics.jsonl"
-    start, history = 0, []
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        start = load_checkpoint(ckpt, model, optimizer)
-        log(f"resumed {run_dir} from {ckpt.name}")
-    remove_partial_checkpoints(run_dir)
-    if resume:  # steps after the checkpoint will be recomputed: drop their records
-        history = [r for r in read_metrics(metrics_path) if (r.get("kind") == "train" and r["step"] <= start)
-                   or (r.get("kind") == "eval" and r.get("when") == "before")]
-        rewrite_metrics(metrics_path, history)
-    sink = MetricsSink(metrics_path, listeners)
-    stops = stop_token_ids(tok, model)
-    eval_args = (reward_fns, weights, cfg.max_new_tokens, cfg.eval_batch_size)
-
-    eval_before = next((r for r in history if r.get("kind") == "eval" and r.get("when") == "before"), None)
-    if eval_before is None and cfg.eval_size and task.held_out:
-        eval_before = {"kind": "eval", "when": "before", "step": 0, **evaluate(model, tok, task.held_out, *eval_args)}
-        sink.emit(eval_before)
-
-    interrupted, done, t_run = False, start, time.time()
-    wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
+    # a new run records from the start; a resumed one only once its checkpoint has loaded, so that a
+    # failed resume leaves its directory exactly as it was
+    sink = MetricsSink(None if resume else run.metrics_path, listeners)
+    started = False  # the config is written: from here on the run can be resumed
     try:
+        precision = "4-bit NF4" if cfg.load_in_4bit else "full precision"
+        sink.emit(_status("load", f"loading {cfg.model} ({precision}, {device.type})"))
+        torch.manual_seed(cfg.seed)
+        model, tok = load_policy(cfg, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        run.remove_leftovers()
+        start, history = 0, []
+        if resume:
+            start = run.restore(model, optimizer, log)
+            # steps after the checkpoint will be recomputed: drop their records
+            history = [r for r in read_metrics(run.metrics_path)
+                       if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
+                       or (r.get("kind") == "eval" and r.get("when") == "before")]
+            sink.write_to(run.metrics_path, history)
+        run.write_config(cfg, base)
+        started = True
+    except BaseException as e:
+        sink.close()
+        if not resume:
+            run.discard()
+        if isinstance(e, KeyboardInterrupt):
+            log("interrupted before training started: nothing was saved")
+        raise
+
+    stops = stop_token_ids(tok, model)
+    try:
+        eval_before = next((r for r in history if r.get("kind") == "eval" and r.get("when") == "before"), None)
+        if eval_before is None and cfg.eval_size and task.held_out:
+            eval_before = {"kind": "eval", "when": "before", "step": 0,
+                           **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "before")}
+            sink.emit(eval_before)
+
+        interrupted, done, t_run = False, start, time.time()
+        wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
-                record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops, budget)
+                try:
+                    record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
+                                        pre.budget)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not _is_out_of_memory(e):
+                        raise
+                    raise UserError(f"step {step + 1}: out of memory ({_first_line(e)}); lower group_size, "
+                                    f"prompts_per_step or max_new_tokens, or set memory_budget; --resume "
+                                    f"{run.path} continues from the last checkpoint") from None
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 done = step + 1
                 if stop_flag.requested or done % cfg.save_every == 0 or done == cfg.steps:
-                    save_checkpoint(run_dir, done, model, optimizer, cfg.keep_checkpoints)
+                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints)
+                    sink.emit({"kind": "checkpoint", "step": done})
                 if stop_flag.requested:
                     interrupted = True
-                    log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run_dir}")
+                    log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run.path}")
                     break
         eval_after = None
         if not interrupted and cfg.eval_size and task.held_out:
             eval_after = {"kind": "eval", "when": "after", "step": done,
-                          **evaluate(model, tok, task.held_out, *eval_args)}
+                          **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "after")}
             sink.emit(eval_after)
     finally:
         sink.close()
-    return RunResult(run_dir, done, interrupted, eval_before, eval_after)
+    return RunResult(run.path, done, interrupted, eval_before, eval_after)
+
+
+def _evaluate(model, tok, task: Task, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str) -> dict:
+    """Held-out evaluation with a status record per batch, so watchers see its progress."""
+    def progress(done: int, total: int) -> None:
+        sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
+
+    return evaluate(model, tok, task.held_out, reward_fns, weights, cfg.max_new_tokens, cfg.eval_batch_size,
+                    progress=progress)
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,

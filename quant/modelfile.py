@@ -39,11 +39,15 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
     return "\n".join(lines) + "\n"
 
 
+def modelfile_path(gguf_path: Path) -> Path:
+    return gguf_path.with_suffix(".Modelfile")
+
+
 def write_modelfile(gguf_path: Path, tok, context_length: int) -> Path | None:
     """Write ``NAME.Modelfile`` beside ``NAME.gguf`` (atomically); None if the chat format is unknown."""
     text = modelfile_text(gguf_path.name, tok.chat_template, tok.eos_token, context_length)
     if text is None:
         return None
-    path = gguf_path.with_suffix(".Modelfile")
+    path = modelfile_path(gguf_path)
     write_text_atomic(path, text)
     return path

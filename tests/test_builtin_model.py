@@ -10,9 +10,9 @@ from localrl.config import TrainConfig
 from localrl.evaluate import evaluate
 from localrl.modeling import load_base, load_tokenizer, pick_device
 from localrl.tasks import load_task
-from localrl.trainer import default_rewards
-from models.recipe import RECIPES, pretrain
-from quant.nf4 import count_4bit_layers
+from localrl.rewards import default_rewards
+from localrl.models.recipe import RECIPES, pretrain
+from localrl.modeling import count_4bit_layers
 
 
 def test_shipped_model_is_small_llama_with_reasoning_chat_template(builtin_model):
@@ -36,7 +36,7 @@ def test_shipped_model_in_4bit_is_partly_right(builtin_model):
     assert count_4bit_layers(model) == 4 * 7
     tok = load_tokenizer(str(builtin_model))
     cfg = TrainConfig()
-    result = evaluate(model, tok, load_task("arith", eval_size=200).held_out, *default_rewards(cfg),
+    result = evaluate(model, tok, load_task("arith", eval_size=200).held_out, *default_rewards(cfg.reward, cfg.format_weight),
                       max_new_tokens=cfg.max_new_tokens)
     assert 0.2 <= result["accuracy"] <= 0.6
 

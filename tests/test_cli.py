@@ -6,10 +6,7 @@ import sys
 
 import pytest
 
-
-def localrl(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "localrl.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+from tests.helpers import localrl
 
 
 def _gpt2_dir(tmp_path):
@@ -19,6 +16,7 @@ def _gpt2_dir(tmp_path):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_args, message", [
     (lambda t: ["--model", str(t / "missing")], "no such directory, and not a built-in model"),
     (lambda t: ["--model", str(_gpt2_dir(t))], "unsupported architecture 'gpt2'; supported: llama, mistral"),
@@ -41,6 +39,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, make_args, message):
     assert set(tmp_path.iterdir()) == before  # no run directory, no stray files
 
 
+@pytest.mark.slow
 def test_eval_base_and_run(builtin_model, tmp_path):
     base = localrl("eval", "--eval-size", "40", "--json")
     assert base.returncode == 0, base.stderr

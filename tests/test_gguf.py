@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from localrl.errors import UserError
-from quant import gguf_writer
-from quant.export import export
-from tests.conftest import make_tiny_model
+from localrl.quant import gguf_writer
+from localrl.quant.export import export
+from tests.helpers import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,7 @@ def bpe_models(tmp_path_factory):
     return models
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen2-tied", "llama3-bpe", "llama-spm",
                                   "mistral-spm-chatml"])
@@ -109,7 +110,8 @@ def test_tied_embeddings_write_no_output_tensor(bpe_models, tmp_path):
 def test_missing_rotary_permutation_is_caught(bpe_models, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_writer, "_permute_rotary", lambda w, n_head: w)
     result = export(bpe_models["llama"], tmp_path / "bad.gguf", "f32", log=lambda *_: None)
-    assert not result.report.passed and (tmp_path / "bad.gguf").exists()
+    assert not result.report.passed and result.path is None
+    assert list(tmp_path.iterdir()) == []  # a file that failed validation is not kept, nor its Modelfile
 
 
 def test_a_failed_write_leaves_no_file(bpe_models, tmp_path, monkeypatch):
@@ -132,7 +134,7 @@ def test_export_errors_are_one_line(tmp_path, builtin_model):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text('[train]\nmodel = "tiny-arith"\n')
-    with pytest.raises(UserError, match="the run has no adapter checkpoint"):
+    with pytest.raises(UserError, match="has no checkpoint yet"):
         export(run, tmp_path / "x.gguf", log=lambda *_: None)
     ckpt = run / "checkpoints" / "step-000001"
     ckpt.mkdir(parents=True)
@@ -142,6 +144,7 @@ def test_export_errors_are_one_line(tmp_path, builtin_model):
         export(run, tmp_path / "x.gguf", log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tmp_path):
     from localrl.config import TrainConfig
     from localrl.trainer import train
@@ -154,6 +157,7 @@ def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tm
         assert result.report.passed, result.report.describe()
 
 
+@pytest.mark.slow
 def test_k_quant_through_llama_cpps_quantizer(builtin_model, tmp_path):
     out = tmp_path / "k.gguf"
     result = export(builtin_model, out, "q4_k_m", log=lambda *_: None)
@@ -174,7 +178,7 @@ ROPE_SCALINGS = {
 def _rope_model(tmp_path, params):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.conftest import train_bpe_tokenizer
+    from tests.helpers import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -40,6 +40,7 @@ def test_real_configs_on_a_12gb_card():
     assert not too_long.fits and "DOES NOT FIT" in too_long.describe()
 
 
+@pytest.mark.slow
 def test_plan_command_reads_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
     args = [sys.executable, "-m", "localrl.cli", "plan", "--model", str(tmp_path), "--group", "8",
@@ -51,6 +52,7 @@ def test_plan_command_reads_config_json(tmp_path):
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(1000, 100, 300), (2000, 64, 200)])
 def test_measured_peak_is_under_budget_and_near_the_prediction(prompt_len, completion_len, budget_mb):
     """Plan under a budget, run forward+backward that way, and measure real allocations (profiler)."""
@@ -73,6 +75,7 @@ def test_measured_peak_is_under_budget_and_near_the_prediction(prompt_len, compl
     assert 0.75 <= mem.peak / predicted_step <= 1.25, (mem.peak, predicted_step, plan.describe())
 
 
+@pytest.mark.slow
 def test_budget_that_cannot_fit_stops_before_loading(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "localrl.cli", "train", "--memory-budget", "5MB",
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)

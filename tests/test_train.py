@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,23 +15,11 @@ from safetensors.torch import load_file
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.metrics import read_metrics
+from localrl.runs import Run
 from localrl.trainer import resume_config, train
+from tests.helpers import QUIET, small, train_records
 
-TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb"}  # vary run to run
-QUIET = {"log": lambda *_: None}
-
-
-def train_records(run_dir) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
-            for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"]
-
-
-def small(run_dir, **kw) -> TrainConfig:
-    base = dict(prompts_per_step=4, group_size=4, max_new_tokens=48, eval_size=0, save_every=2,
-                run_dir=str(run_dir), seed=7)
-    return TrainConfig(**{**base, **kw}).validate()
-
-
+@pytest.mark.slow
 def test_seeded_run_raises_reward_and_held_out_accuracy(builtin_model, tmp_path):
     cfg = small(tmp_path / "run", steps=12, prompts_per_step=8, group_size=8, eval_size=100, save_every=100)
     result = train(cfg, **QUIET)
@@ -55,6 +44,7 @@ def test_checkpoint_is_a_peft_adapter(builtin_model, tmp_path):
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(builtin_model, tmp_path):
     full = train(small(tmp_path / "full", steps=4), **QUIET)
     part = train(small(tmp_path / "part", steps=2), **QUIET)
@@ -71,6 +61,7 @@ def test_resume_reproduces_the_uninterrupted_run(builtin_model, tmp_path):
     assert all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_resume_continues(builtin_model, tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "localrl.cli", "train", "--run-dir", str(run), "--steps", "40", "--eval-size", "0",
@@ -111,16 +102,73 @@ def test_bad_data_stops_before_a_run_directory_exists(tmp_path):
 
 
 def test_user_jsonl_task_trains(builtin_model, tmp_path):
-    rows = [{"prompt": f"What is {a} + {b}?", "answer": a + b, "source": "file"} for a in range(10, 40, 3)
-            for b in range(5, 30, 4)]
+    # sums with carries, which the built-in model gets right only some of the time
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": a + b, "source": "file"} for a in range(15, 99, 7)
+            for b in range(17, 99, 9)]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
 
-    def source_reward(completions, source, answer, prompt, **_):
+    def answer_reward(completions, source, answer, prompt, **_):
+        """Every column arrives aligned with the completions; right answers score (the built-in model
+        often forgets a carry), and length breaks ties, so the score varies within a step."""
         seen.extend(source)
-        return [0.0] * len(completions)
+        assert len(answer) == len(prompt) == len(completions)
+        for a, p in zip(answer, prompt):  # rows stay aligned: each answer belongs to its own prompt
+            x, y = map(int, re.findall(r"\d+", p))
+            assert x + y == a
+        return [float(f"<answer>{a}</answer>" in c) + len(c) / 1000 for c, a in zip(completions, answer)]
 
-    result = train(small(tmp_path / "run", steps=1, data=str(data), eval_size=5),
-                   rewards=([source_reward], [1.0]), **QUIET)
+    result = train(small(tmp_path / "run", steps=2, data=str(data), eval_size=5),
+                   rewards=([answer_reward], [1.0]), **QUIET)
     assert set(seen) == {"file"} and result.eval_before["n"] == 5
+    records = train_records(result.run_dir)
+    assert all(r["reward_std"] > 0 for r in records)  # a reward that varies: there is something to learn
+    adapter = load_file(str(Run(result.run_dir).latest_checkpoint() / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it moved
+
+
+def test_a_saved_checkpoint_restores_the_trained_adapter_exactly(builtin_model, tmp_path):
+    """Save after two real steps, restore into a freshly loaded policy: the same adapter weights, the
+    same logits, the same optimizer state (and a fresh policy's logits differ, so the check has teeth)."""
+    import torch
+
+    from localrl.modeling import load_policy, pick_device
+    from localrl.rewards import default_rewards
+    from localrl.rollout import stop_token_ids
+    from localrl.tasks import load_task
+    from localrl.trainer import train_step
+
+    cfg = small(tmp_path / "run", steps=2)
+    device = pick_device("cpu")
+    task = load_task(cfg.data, eval_size=0)
+    rewards, weights = default_rewards(cfg.reward, cfg.format_weight)
+
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        model, tok = load_policy(cfg, device)
+        return model, tok, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+
+    model, tok, optimizer = fresh()
+    for step in range(2):
+        train_step(model, tok, optimizer, task, step, cfg, rewards, weights, stop_token_ids(tok, model))
+    run = Run(tmp_path / "run")
+    run.save_checkpoint(2, model, optimizer)
+
+    probe = torch.tensor([tok("What is 457 + 68?")["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        trained_logits = model(probe).logits
+    restored, _, restored_optimizer = fresh()
+    with torch.no_grad():
+        assert not torch.allclose(restored.eval()(probe).logits, trained_logits)
+    assert run.restore(restored, restored_optimizer, log=lambda *_: None) == 2
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for name, p in restored.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, trained[name]), name
+    with torch.no_grad():
+        assert torch.equal(restored(probe).logits, trained_logits)
+    state, restored_state = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
+    assert state.keys() == restored_state.keys()
+    assert all(torch.equal(state[k]["exp_avg"], restored_state[k]["exp_avg"]) for k in state)

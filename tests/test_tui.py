@@ -10,47 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tui.app import LocalRLApp
-from tui.widgets import Message, MetricChart
+from localrl.tui.app import LocalRLApp
+from localrl.tui.widgets import Message, MetricChart
+from tests.helpers import ScriptedModel, tool_call, wait_for
 
 SIZE = (80, 24)
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-async def wait_for(pilot, predicate, timeout: float = 120.0, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the UI")
-        await pilot.pause(step)
-
-
-class ScriptedModel:
-    """A chat model that replies from a script (stands in for an LLM that can use tools; the
-    tiny built-in model cannot). Records the conversations it was shown."""
-
-    name = "scripted"
-
-    def __init__(self, replies: list[str]):
-        self.replies = list(replies)
-        self.seen: list[list[dict]] = []
-
-    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
-        self.seen.append([dict(m) for m in messages])
-        reply = self.replies.pop(0) if self.replies else "Done."
-        for i in range(0, len(reply), 7):
-            yield reply[i:i + 7]
-
-    def close(self):
-        pass
-
-
-def tool_call(command: str) -> str:
-    return "<think>I should look.</think>" + '<tool_call>{"name": "shell", "arguments": {"command": ' + \
-        json.dumps(command) + "}}</tool_call>"
 
 
 # -- Train ---------------------------------------------------------------------------------
@@ -61,6 +29,7 @@ def _fill(screen, **fields):
         screen.query_one(f"#field-{name}").value = value
 
 
+@pytest.mark.slow
 def test_train_screen_starts_a_run_and_the_charts_gain_points(tmp_path):
     async def go():
         app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
@@ -83,10 +52,39 @@ def test_train_screen_starts_a_run_and_the_charts_gain_points(tmp_path):
     assert any((run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
+def test_the_train_screen_says_what_happens_before_the_first_step(tmp_path):
+    """Between Start and the first step: loading the model, then the held-out evaluation with its progress."""
+    async def go():
+        app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            _fill(screen, steps="1", prompts_per_step="2", group_size="2",
+                  flags="--eval-size 48 --eval-batch-size 4")
+            await pilot.click("#start")
+            bar = screen.query_one("#progress")
+            seen = set()
+
+            def watch():
+                text = str(screen.query_one("#run-status").render())
+                if "loading tiny-arith" in text:
+                    seen.add("loading")
+                if "evaluating before training" in text and bar.total == 48 and 0 < bar.progress < 48:
+                    seen.add("evaluating")
+                return not screen.running
+
+            await wait_for(pilot, watch, step=0.05)
+            assert seen == {"loading", "evaluating"} and "finished" in screen.status
+
+    run(go())
+
+
 @pytest.mark.parametrize("fields, message, invalid", [
     ({"model": "/no/such/model"}, "no such directory", "model"),
     ({"group_size": "1"}, "group_size", "group_size"),
-    ({"flags": "--no-such-flag 3"}, "cannot parse", "flags"),
+    ({"flags": "--no-such-flag 3"}, "unknown flag '--no-such-flag'", "flags"),
+    ({"flags": "--beta inf"}, "config field beta: must be a finite number", "flags"),
+    ({"steps": "many"}, "config field steps: expected int", "steps"),
 ])
 def test_bad_form_input_is_shown_inline_and_starts_nothing(tmp_path, fields, message, invalid):
     async def go():
@@ -104,6 +102,7 @@ def test_bad_form_input_is_shown_inline_and_starts_nothing(tmp_path, fields, mes
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_crashed_training_subprocess_is_shown_not_fatal(tmp_path):
     async def go():
         app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
@@ -290,3 +289,22 @@ def test_a_rejected_command_never_runs(tmp_path):
     assert list(work.iterdir()) == []
     assert any(e["role"] == "tool" and e["content"].startswith("rejected") for e in transcript)
     assert "rejected" in model.seen[1][-1]["content"]
+
+
+def test_streamed_text_survives_a_worker_feeding_while_the_screen_draws():
+    """``feed`` runs on worker threads while the UI thread draws: no piece may be lost or reordered."""
+    import threading
+
+    message = Message("assistant", streaming=True)
+    pieces = [f"{i} " for i in range(50_000)]
+
+    def worker():
+        for piece in pieces:
+            message.feed(piece)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while thread.is_alive():
+        message.flush()
+    message.flush()
+    assert message.text == "".join(pieces)

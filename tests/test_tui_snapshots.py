@@ -3,8 +3,8 @@ the look, review the diff report, then update with ``pytest tests/test_tui_snaps
 
 from __future__ import annotations
 
-from tests.test_tui import ScriptedModel, tool_call, wait_for
-from tui.app import LocalRLApp
+from tests.helpers import ScriptedModel, tool_call, wait_for
+from localrl.tui.app import LocalRLApp
 
 SIZE = (80, 24)
 

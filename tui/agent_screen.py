@@ -24,7 +24,7 @@ from textual.worker import get_current_worker
 from localrl.agent import parse_tool_calls, system_message, tool_response
 from localrl.errors import UserError
 from localrl.sandbox import Sandbox
-from tui.widgets import Message, save_record
+from localrl.tui.widgets import Message, save_record
 
 MAX_TURNS = 8  # model replies per task, so a model that never stops calling tools does stop
 
@@ -46,6 +46,7 @@ class AgentScreen(Screen):
         self._decided = threading.Event()
         self._decision: str | None = None  # the command to run, or None for a refusal
         self._worker = None  # the agent loop of the current task
+        self.approve_all = False  # mirrors the switch; the worker reads this, never the widget
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -83,6 +84,10 @@ class AgentScreen(Screen):
         elif event.input.id == "task" and event.value.strip():
             self.start(event.value.strip())
             event.input.value = ""
+
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        if event.switch.id == "approve-all":
+            self.approve_all = event.value
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "approve":
@@ -163,7 +168,7 @@ class AgentScreen(Screen):
         return None if self.cancel.is_set() else view.text
 
     def _ask(self, command: str) -> str | None:
-        if self.query_one("#approve-all", Switch).value:
+        if self.approve_all:
             return command
         self._decided.clear()
         self._call(self._show_approval, command)

@@ -15,9 +15,10 @@ from textual.reactive import reactive
 
 from localrl.chat import ChatModel
 from localrl.errors import UserError
-from tui.agent_screen import AgentScreen
-from tui.chat_screen import ChatScreen
-from tui.train_screen import TrainScreen
+from localrl.runs import Run
+from localrl.tui.agent_screen import AgentScreen
+from localrl.tui.chat_screen import ChatScreen
+from localrl.tui.train_screen import TrainScreen
 
 
 def default_data_dir() -> Path:
@@ -87,8 +88,8 @@ class LocalRLApp(App):
 
 
 def run_tui(attach: str | None = None, model: str | None = None, workdir: str = ".", runs_dir: str = "runs") -> None:
-    if attach is not None and not (Path(attach) / "config.toml").is_file():
-        raise UserError(f"attach {attach}: not a run directory (no config.toml)")
+    if attach is not None:
+        Run.open(attach, "attach")
     if not Path(workdir).is_dir():
         raise UserError(f"workdir {workdir}: no such directory")
     LocalRLApp(attach=attach, model=model, workdir=workdir, runs_dir=runs_dir).run()

@@ -19,7 +19,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Header, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tui.widgets import Message, save_record
+from localrl.tui.widgets import Message, save_record
 
 
 def list_conversations(folder: Path) -> list[tuple[Path, str]]:

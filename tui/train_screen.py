@@ -1,5 +1,5 @@
 """The Train screen: a form checked as the CLI checks it, a training subprocess, and live charts
-read from the run's metrics.jsonl.
+read from the run's metrics file.
 
 Training runs as ``python -m localrl.cli train`` in a subprocess: a crash there is shown here
 (its exit status and last lines) and cannot take the app down, and Stop sends it Ctrl-C, which
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -27,9 +26,10 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, RichLog, Static
 
-from localrl.config import TrainConfig, build_config, load_toml
+from localrl.config import TrainConfig, build_config, flag_name, parse_overrides
 from localrl.errors import UserError
-from tui.widgets import REDRAW_INTERVAL, MetricChart
+from localrl.runs import Run, is_run
+from localrl.tui.widgets import REDRAW_INTERVAL, MetricChart
 
 # (config field, label) of the form; anything else goes in "flags", as on the command line
 FORM_FIELDS = [("model", "Model"), ("data", "Task"), ("steps", "Steps"), ("group_size", "Group G"),
@@ -42,25 +42,25 @@ TRAIN_COMMAND = [sys.executable, "-m", "localrl.cli", "train"]
 def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainConfig]:
     """(``localrl train`` arguments, the run config) for the form's fields followed by its extra
     flags (which win, as later flags do on the command line), checked as ``localrl train``
-    checks them, before any weights load."""
-    from localrl.cli import _overrides, build_parser
+    checks them (config.parse_overrides, then the trainer's preflight), before any weights load."""
     from localrl.trainer import preflight
 
     argv = []
     for field, value in values.items():
         if value.strip():
-            argv += ["--" + field.replace("_", "-"), value.strip()]
+            argv += [flag_name(field), value.strip()]
     try:
-        argv += shlex.split(flags)
+        extra = shlex.split(flags)
     except ValueError as e:
-        raise UserError(f"flags: {e}") from None
+        raise UserError(f"flags: {e}", field="flags") from None
     try:
-        args = build_parser().parse_args(["train", *argv])
-    except SystemExit:
-        raise UserError(f"flags: cannot parse {flags!r} (use --field value, as with localrl train)") from None
-    cfg = build_config(args.config, _overrides(args))
+        overrides = parse_overrides(argv + extra)
+    except UserError as e:
+        in_form = e.field in values and not any(a.partition("=")[0] == flag_name(e.field or "") for a in extra)
+        raise UserError(str(e), field=e.field if in_form else "flags") from None
+    cfg = build_config(None, overrides)
     preflight(cfg)
-    return argv, cfg
+    return argv + extra, cfg
 
 
 class MetricsFollower:
@@ -106,8 +106,9 @@ class TrainScreen(Screen):
         self.train_command = train_command or TRAIN_COMMAND
         self.run_dir: Path | None = Path(attach) if attach else None
         self.proc: subprocess.Popen | None = None
-        self.follower = MetricsFollower(self.run_dir / "metrics.jsonl") if self.run_dir else None
+        self.follower = MetricsFollower(Run(self.run_dir).metrics_path) if self.run_dir else None
         self.total_steps = 0
+        self.phase = ""  # what the run does before (or after) its steps: loading, evaluating
         self._log_lines: deque[str] = deque()  # output waiting for the next redraw
         self._tail: deque[str] = deque(maxlen=20)  # the run's last output lines, unwrapped
         self.status = ""
@@ -158,7 +159,7 @@ class TrainScreen(Screen):
         try:
             argv, cfg = form_command(values, self.query_one("#field-flags", Input).value)
         except UserError as e:
-            return self._error(str(e))
+            return self._error(str(e), e.field)
         if not cfg.run_dir:
             cfg.run_dir = str(self.runs_dir / f"{datetime.now():%Y%m%d-%H%M%S}")
             argv += ["--run-dir", cfg.run_dir]
@@ -167,7 +168,7 @@ class TrainScreen(Screen):
     def action_resume(self) -> None:
         if self.running:
             return self._error("a run is in progress")
-        if self.run_dir is None or not (self.run_dir / "config.toml").is_file():
+        if self.run_dir is None or not is_run(self.run_dir):
             return self._error("nothing to resume: start a run first (or attach to one)")
         self._launch([*self.train_command, "--resume", str(self.run_dir)], self.run_dir, None)
 
@@ -180,12 +181,13 @@ class TrainScreen(Screen):
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _error(self, text: str) -> None:
-        """Show a user error under the form and mark the field it names."""
+    def _error(self, text: str, field: str | None = None) -> None:
+        """Show a user error under the form and mark the input of the field it names (the flags
+        input for a field that is not in the form)."""
         self.query_one("#form-error", Static).update(text)
-        named = re.match(r"(?:config field )?(\w+)", text)
-        for inp in self.query(f"#field-{named.group(1)}" if named else "#no-such-field"):
-            inp.add_class("-invalid")
+        if field is not None:
+            name = field if field in dict(FORM_FIELDS) else "flags"
+            self.query_one(f"#field-{name}", Input).add_class("-invalid")
 
     def _launch(self, argv: list[str], run_dir: Path, steps: int | None) -> None:
         self.query_one("#form-error", Static).update("")
@@ -199,8 +201,9 @@ class TrainScreen(Screen):
 
     def _watch(self, run_dir: Path, status: str, steps: int | None = None) -> None:
         self.run_dir = run_dir
-        self.follower = MetricsFollower(run_dir / "metrics.jsonl")
-        self.total_steps = steps or self._steps_from_config()
+        self.follower = MetricsFollower(Run(run_dir).metrics_path)
+        self.total_steps = steps or Run(run_dir).total_steps()
+        self.phase = ""
         bar = self.query_one("#progress", ProgressBar)
         bar.display = True
         bar.update(total=self.total_steps or None, progress=0)
@@ -218,6 +221,7 @@ class TrainScreen(Screen):
         if proc is not self.proc:
             return
         self.tick()
+        self.phase = ""
         if code == 0:
             self._set_status(f"finished: {self.run_dir}")
         elif code == 130:
@@ -230,7 +234,7 @@ class TrainScreen(Screen):
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status = text
         status = self.query_one("#run-status", Static)
-        status.update(text + self._eval_summary())
+        status.update(text + (f": {self.phase}" if self.phase else "") + self._eval_summary())
         status.set_class(error, "-error")
 
     def _eval_summary(self) -> str:
@@ -247,19 +251,22 @@ class TrainScreen(Screen):
         if self.follower is None or not self.follower.poll():
             return
         if not self.total_steps:
-            self.total_steps = self._steps_from_config()
-        train = [r for r in self.follower.records if r.get("kind") == "train"]
+            self.total_steps = Run(self.run_dir).total_steps()
+        records = self.follower.records
+        train = [r for r in records if r.get("kind") == "train"]
         for chart in self.query(MetricChart):
             chart.set_values([float(r[chart.key]) for r in train if chart.key in r])
         bar = self.query_one("#progress", ProgressBar)
-        bar.update(total=self.total_steps or None, progress=train[-1]["step"] if train else 0)
+        last = records[-1] if records else {}
+        if last.get("kind") == "status":  # loading, or evaluating: say so, with the evaluation's progress
+            progress = f" {last['done']}/{last['total']}" if last.get("total") else ""
+            self.phase = last["message"] + progress
+            if last.get("total"):
+                bar.update(total=last["total"], progress=last["done"])
+        else:
+            self.phase = ""
+            bar.update(total=self.total_steps or None, progress=train[-1]["step"] if train else 0)
         self._set_status(self.status, self.query_one("#run-status").has_class("-error"))
-
-    def _steps_from_config(self) -> int:
-        try:
-            return int(load_toml(self.run_dir / "config.toml").get("steps", 0))
-        except UserError:  # not written yet, or damaged: no total to show
-            return 0
 
     def on_unmount(self) -> None:
         if self.running:

@@ -1,14 +1,15 @@
 """Widgets the screens share: a metric chart and a chat message that streams with its
 ``<think>`` section dimmed and collapsible.
 
-Streaming text is fed from worker threads with ``feed`` (a list append, safe without the UI
-lock) and drawn by the message's own timer on the UI thread until ``finish``, so a fast model
-costs at most one redraw per tick however many tokens arrive.
+Streaming text is fed from worker threads with ``feed`` (a deque append, safe against the UI
+thread's pops without a lock) and drawn by the message's own timer on the UI thread until
+``finish``, so a fast model costs at most one redraw per tick however many tokens arrive.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from datetime import datetime
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class Message(Vertical):
         self.text = text
         self.streaming = streaming
         self._timer = None
-        self._pending: list[str] = []
+        self._pending: deque[str] = deque()  # appended by a worker thread, popped by the UI thread
         self.note = ""
         self._body = Static("", classes="body", markup=False)
         self._think_text = Static("", classes="think-text", markup=False)
@@ -84,8 +85,10 @@ class Message(Vertical):
         """Draw what was fed since the last flush; whether anything changed."""
         if not self._pending:
             return False
-        pending, self._pending = self._pending, []
-        self.text += "".join(pending)
+        pieces = []
+        while self._pending:  # never swap the deque: a worker may be appending to it right now
+            pieces.append(self._pending.popleft())
+        self.text += "".join(pieces)
         self._render_text()
         return True
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from localrl.config import BUILTIN_TASK
 from localrl.errors import UserError
@@ -18,6 +19,7 @@ from localrl.tasks import arithmetic
 from localrl.tasks.jsonl import read_jsonl
 
 Row = dict
+RowCheck = Callable[[dict, str], None]
 
 
 @dataclass
@@ -41,18 +43,24 @@ class Task:
         return out
 
 
-def load_task(data: str, eval_data: str = "", eval_size: int = 200) -> Task:
-    """Read and check a task's rows up front, before any model is loaded."""
+def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: RowCheck | None = None) -> Task:
+    """Read and check a task's rows up front, before any model is loaded; ``check_row(row, where)``
+    is called on every row with its ``file:line`` (or the task's name) and may raise UserError."""
     if data == BUILTIN_TASK:
         if eval_data:
-            return Task(data, None, read_jsonl(eval_data)[:eval_size])
-        held = arithmetic.held_out_problems(eval_size)
-        return Task(data, None, [{"prompt": p.question, "answer": p.answer} for p in held])
+            return Task(data, None, read_jsonl(eval_data, check_row)[:eval_size])
+        held = [{"prompt": p.question, "answer": p.answer} for p in arithmetic.held_out_problems(eval_size)]
+        if check_row is not None:  # generated prompts differ only in their digits: the longest stands for all
+            longest = max(held or [{"prompt": arithmetic.Problem(9999, 9999).question, "answer": 0}],
+                          key=lambda r: len(r["prompt"]))
+            check_row(longest, f"task {data}")
+        return Task(data, None, held)
     if not Path(data).exists():
-        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {BUILTIN_TASK})")
-    rows = read_jsonl(data)
+        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {BUILTIN_TASK})",
+                        field="data")
+    rows = read_jsonl(data, check_row)
     if eval_data:
-        return Task(data, rows, read_jsonl(eval_data)[:eval_size])
+        return Task(data, rows, read_jsonl(eval_data, check_row)[:eval_size])
     # No held-out file: set aside a seeded tenth of the rows (at most eval_size), never trained on.
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)

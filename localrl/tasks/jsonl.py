@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from localrl.errors import UserError
 
@@ -23,29 +24,40 @@ def _check_prompt(prompt, where: str) -> None:
     raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None = None) -> list[dict]:
+    """The rows of a JSONL file; ``check_row(row, "file:line")`` may refuse a row (UserError)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"data {p}: no such file")
+        raise UserError(f"data {p}: no such file" + (" (a directory)" if p.is_dir() else ""))
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in ("prompt", "answer"):
-                if key not in row:
-                    raise UserError(f"{where}: missing '{key}'")
-            _check_prompt(row["prompt"], where)
-            if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
-                raise UserError(f"{where}: 'answer' must be a string or a number")
-            rows.append(row)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise UserError(f"data {p}: cannot be read ({e.strerror})") from None
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") \
+                from None
+        if not line.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for key in ("prompt", "answer"):
+            if key not in row:
+                raise UserError(f"{where}: missing '{key}'")
+        _check_prompt(row["prompt"], where)
+        if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
+            raise UserError(f"{where}: 'answer' must be a string or a number")
+        if check_row is not None:
+            check_row(row, where)
+        rows.append(row)
     if not rows:
         raise UserError(f"data {p}: no rows (the file is empty)")
     return rows

@@ -1,0 +1,7 @@
+"""``python -m localrl ...``: the same as the ``localrl`` command."""
+
+import sys
+
+from localrl.cli import main
+
+sys.exit(main())

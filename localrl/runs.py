@@ -1,0 +1,365 @@
+"""The run directory: the one module that knows its layout.
+
+    RUN_DIR/
+      config.toml       the resolved TrainConfig, written once training can start (after a
+                        resume's checkpoint has loaded, so a failed resume changes nothing)
+      base.json         which base weights the run trains: name, path and a content fingerprint
+      metrics.jsonl     the metrics sink's records (metrics.py): train, eval, checkpoint, status
+      checkpoints/
+        step-000010/    a PEFT adapter directory plus trainer_state.pt (optimizer, RNG, step)
+
+Everything is written all or nothing: a checkpoint is written under ``.tmp-*`` and renamed
+into place, an old one is renamed to ``.old-*`` before it is removed, so a kill at any moment
+leaves only complete checkpoints under ``step-*`` names; leftovers go on the next start.
+
+A run killed before its config was written (while its model loaded, say) can be started
+again in the same directory; resuming it says so. Resume refuses what would be silently
+wrong: other base weights than the run's own, or checkpoints that the metrics say were
+saved but are gone. A damaged newest checkpoint falls back to the one before, with a line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import shutil
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from localrl.atomic import atomic_dir, write_text_atomic
+from localrl.config import TrainConfig, build_config, to_toml
+from localrl.errors import UserError
+from localrl.metrics import read_metrics
+
+CONFIG = "config.toml"
+BASE = "base.json"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the adapter weights
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^\.(tmp|old)-")
+
+
+class Run:
+    """A run directory. ``Run.create`` makes a new one; ``Run.open`` an existing one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._made: Path | None = None  # the outermost directory ``create`` made (removed by ``discard``)
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    # -- creating and opening -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | Path | None = None, log: Callable[[str], None] = print) -> "Run":
+        """The directory of a new run (default runs/<date>-<time>), made now, so that a place that
+        cannot be written fails in one line before any weights load."""
+        p = Path(path) if path else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}"
+        where = f"run_dir {p}"
+        if p.exists() and not p.is_dir():
+            raise UserError(f"{where}: is a file, not a directory", field="run_dir")
+        if (p / CONFIG).exists():
+            raise UserError(f"{where}: already exists; continue it with --resume {p}", field="run_dir")
+        run = cls(p)
+        if p.is_dir() and any(p.iterdir()):
+            if not run._never_started():
+                raise UserError(f"{where}: not empty and not a run; choose another directory", field="run_dir")
+            log(f"{p}: a run that stopped before it started left files here; starting it again")
+            run.discard_contents()
+        made = [a for a in [p, *p.parents] if not a.exists()]  # innermost first
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            probe = p / f".tmp-probe-{uuid.uuid4().hex[:8]}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            if made:
+                shutil.rmtree(made[-1], ignore_errors=True)
+            raise UserError(f"{where}: cannot be written ({e.strerror or e})", field="run_dir") from None
+        run._made = made[-1] if made else None
+        return run
+
+    @classmethod
+    def open(cls, path: str | Path, what: str = "run") -> "Run":
+        """An existing run; one line naming the problem otherwise."""
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"{what} {p}: no such directory")
+        if not p.is_dir():
+            raise UserError(f"{what} {p}: not a run directory (a file)")
+        run = cls(p)
+        if not run.config_path.is_file():
+            if any(p.iterdir()) and run._never_started():
+                raise UserError(f"{what} {p}: the run stopped before it started (no config.toml was written); "
+                                f"start it again with: localrl train --run-dir {p}")
+            raise UserError(f"{what} {p}: not a run directory (no config.toml)")
+        return run
+
+    def _never_started(self) -> bool:
+        """Whether the directory holds only what a run leaves before its config is written:
+        status records, an empty checkpoints folder, temporary files."""
+        for child in self.path.iterdir():
+            if _LEFTOVER.match(child.name):
+                continue
+            if child.name == CHECKPOINTS and child.is_dir():
+                if any(not _LEFTOVER.match(c.name) for c in child.iterdir()):
+                    return False
+            elif child.name == METRICS and child.is_file():
+                if any(r.get("kind") != "status" for r in read_metrics(child)):
+                    return False
+            else:
+                return False
+        return True
+
+    def discard_contents(self) -> None:
+        """Remove what a run that never started left (never called on a started run)."""
+        for child in self.path.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Undo ``create`` for a run that did not start: remove what it made, leave what was there."""
+        if self.config_path.exists():
+            return
+        if self._made is not None:
+            shutil.rmtree(self._made, ignore_errors=True)
+        elif self.path.is_dir():
+            self.discard_contents()
+
+    # -- config and base weights ----------------------------------------------------------
+
+    def read_config(self, overrides: dict | None = None) -> TrainConfig:
+        """The saved config with ``overrides`` applied (for example more steps); not written back."""
+        cfg = build_config(self.config_path, overrides)
+        cfg.run_dir = str(self.path)
+        return cfg
+
+    def total_steps(self) -> int:
+        """The configured number of steps; 0 while the config is missing or unreadable."""
+        try:
+            return int(build_config(self.config_path).steps)
+        except UserError:
+            return 0
+
+    def write_config(self, cfg: TrainConfig, base_fingerprint: dict | None = None) -> None:
+        write_text_atomic(self.config_path, to_toml(cfg))
+        if base_fingerprint is not None:
+            write_text_atomic(self.path / BASE, json.dumps(base_fingerprint, indent=1) + "\n")
+
+    def check_base(self, fingerprint: dict) -> None:
+        """Stop a resume whose base weights are not the ones the run was trained on."""
+        try:
+            saved = json.loads((self.path / BASE).read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # runs from before fingerprints; the next config write records one
+        if saved.get("fingerprint") and fingerprint.get("fingerprint") and \
+                saved["fingerprint"] != fingerprint["fingerprint"]:
+            raise UserError(f"resume {self.path}: model {fingerprint['model']} is not the base this run was trained "
+                            f"on ({saved.get('model')}, {saved.get('path')}): its weights differ", field="model")
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Path]:
+        """Checkpoints under their final names, oldest first."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = [p for p in self.checkpoints_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def steps_done(self) -> int:
+        """Steps saved in the newest checkpoint (0 without one)."""
+        latest = self.latest_checkpoint()
+        return int(_STEP_DIR.match(latest.name).group(1)) if latest else 0
+
+    def remove_leftovers(self) -> None:
+        """Delete what killed writes and deletions left: ``.tmp-*`` and ``.old-*`` entries."""
+        for folder in (self.path, self.checkpoints_dir):
+            if folder.is_dir():
+                for stale in folder.iterdir():
+                    if _LEFTOVER.match(stale.name):
+                        _remove(stale)
+
+    def save_checkpoint(self, step: int, model, optimizer, keep: int = 2) -> Path:
+        """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``."""
+        final = self.checkpoints_dir / f"step-{step:06d}"
+        with atomic_dir(final, fsync=True) as tmp:
+            model.save_pretrained(str(tmp))
+            torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / STATE_FILE)
+        for old in self.checkpoints()[:-keep]:
+            # rename first: a kill mid-delete leaves a .old-* leftover, never a step-* without its files
+            _remove(old)
+        return final
+
+    def restore(self, model, optimizer, log: Callable[[str], None] = print) -> int:
+        """Load the newest checkpoint that loads into ``model`` and ``optimizer``; the step it saved.
+
+        0 when the run has saved none yet. A damaged newest checkpoint falls back to an older
+        one, with a line; a run whose metrics record a checkpoint that is gone is refused
+        rather than silently restarted from step 0.
+        """
+        found = self.checkpoints()
+        errors = []
+        for ckpt in reversed(found):
+            try:
+                step = _load_checkpoint(ckpt, model, optimizer)
+            except UserError as e:
+                errors.append(str(e))
+                log(f"{e}; trying the checkpoint before it")
+                continue
+            log(f"resumed {self.path} from {ckpt.name}" + (" (the newest that loads)" if errors else ""))
+            return step
+        if errors:
+            raise UserError(f"resume {self.path}: no checkpoint loads ({errors[0]})")
+        saved = [r["step"] for r in read_metrics(self.metrics_path) if r.get("kind") == "checkpoint"]
+        if saved:
+            raise UserError(f"resume {self.path}: its metrics record a checkpoint at step {max(saved)}, but "
+                            f"{CHECKPOINTS}/ holds none; refusing to restart from step 0 (start a new run instead)")
+        log(f"{self.path}: no checkpoint saved yet; starting from step 0")
+        return 0
+
+    # -- the trained policy ---------------------------------------------------------------
+
+    def load_adapter(self, device: torch.device, load_in_4bit: bool | None = None, cfg: TrainConfig | None = None):
+        """(base + the newest checkpoint's adapter, tokenizer, checkpoint): the run's policy."""
+        from peft import PeftModel
+
+        from localrl.modeling import load_base, load_config, load_tokenizer
+
+        cfg = cfg or self.read_config()
+        ckpt = self._require_checkpoint()
+        path, _ = load_config(cfg.model)
+        tok = load_tokenizer(path)
+        base = load_base(path, cfg.load_in_4bit if load_in_4bit is None else load_in_4bit, device)
+        try:
+            model = PeftModel.from_pretrained(base, str(ckpt))
+        except Exception as e:  # a damaged adapter: one line, not a traceback
+            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({_first_line(e)})") from None
+        return model, tok, ckpt
+
+    def load_merged(self, check: Callable | None = None):
+        """(adapter merged onto the full-precision base, tokenizer, tokenizer dir, description);
+        ``check(config, tok)`` runs before any weights load."""
+        from peft import PeftModel
+
+        from localrl.modeling import load_config, load_full, load_tokenizer
+
+        cfg = self.read_config()
+        ckpt = self._require_checkpoint()
+        path, config = load_config(cfg.model)
+        tok = load_tokenizer(path)
+        if check is not None:
+            check(config, tok)
+        base = load_full(path)
+        try:
+            model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
+        except Exception as e:
+            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({_first_line(e)})") from None
+        return model.eval(), tok, Path(path), f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
+
+    def _require_checkpoint(self) -> Path:
+        ckpt = self.latest_checkpoint()
+        if ckpt is None:
+            raise UserError(f"run {self.path}: has no checkpoint yet")
+        return ckpt
+
+
+def is_run(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def load_merged(source: str | Path, check: Callable | None = None):
+    """A run's policy (its adapter merged onto the full-precision base) or a model's own weights:
+    (model, tokenizer, tokenizer dir, description). ``check(config, tok)`` runs before weights load."""
+    from localrl.modeling import load_config, load_full, load_tokenizer
+
+    if is_run(source):
+        return Run(source).load_merged(check)
+    path, config = load_config(str(source))
+    tok = load_tokenizer(path)
+    if check is not None:
+        check(config, tok)
+    return load_full(path).eval(), tok, Path(path), f"full-precision (float32) weights of {path}"
+
+
+def base_fingerprint(model: str) -> dict:
+    """What base.json records: the model's name, where it resolved, and a fingerprint of its weights."""
+    from localrl.modeling import resolve_model, weights_fingerprint
+
+    path = resolve_model(model)
+    return {"model": model, "path": path, "fingerprint": weights_fingerprint(path)}
+
+
+# -- one checkpoint's contents -------------------------------------------------------------
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _load_checkpoint(ckpt: Path, model, optimizer) -> int:
+    """Restore adapter weights, optimizer and RNG state from ``ckpt``; returns its step. Every file
+    is read before anything is changed, so a damaged checkpoint leaves model and optimizer as they were."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(str(ckpt / ADAPTER_FILE))
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+        expected = {k for k in model.state_dict() if "lora_" in k}
+        if not weights or len(weights) != len(expected):
+            raise ValueError(f"{len(weights)} adapter tensors, the model has {len(expected)}")
+        result = set_peft_model_state_dict(model, weights)
+        if result.unexpected_keys:
+            raise ValueError(f"unexpected adapter keys {result.unexpected_keys[:3]}")
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as e:  # a damaged file must stop resume with one line, not a traceback
+        raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return int(state["step"])
+
+
+def _remove(path: Path) -> None:
+    """Delete by rename-then-remove, so a kill midway leaves a hidden leftover, not a damaged entry."""
+    target = path
+    if not _LEFTOVER.match(path.name):
+        target = path.with_name(f".old-{path.name}-{uuid.uuid4().hex[:8]}")
+        path.rename(target)
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

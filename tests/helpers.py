@@ -1,0 +1,168 @@
+"""Helpers the tests share: tiny models and tokenizers built on the fly, the CLI as a subprocess,
+metrics without their timing fields, a scripted chat model, and waiting on a Textual app."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from localrl.config import TrainConfig
+from localrl.metrics import read_metrics
+from localrl.runs import Run
+
+ARCH_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 457 + 68? The answer is 525.",
+          "Reinforcement learning with verifiable rewards trains small reasoning models.",
+          "<think>First add the units, then the tens.</think><answer>42</answer>"] * 20
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_bpe_tokenizer(llama3_split: bool = False):
+    """A GPT-2-style byte-level BPE tokenizer trained on a small corpus, with ChatML tokens and template;
+    with Llama 3's split pattern (digits in groups of up to three) if ``llama3_split``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from localrl.models.recipe import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if llama3_split:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def train_spm_tokenizer(workdir: Path, chatml: bool = False):
+    """A SentencePiece BPE model with byte fallback (as Llama 2 and Mistral ship), trained by the
+    sentencepiece library and converted by transformers; with ChatML tokens and template if ``chatml``."""
+    import sentencepiece
+    from transformers import LlamaTokenizer
+
+    from localrl.models.recipe import CHAT_TEMPLATE
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_prefix=str(workdir / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", minloglevel=2)
+    tok = LlamaTokenizer.from_pretrained(workdir, add_bos_token=not chatml)  # Llama 2 adds <s>
+    if chatml:
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.eos_token = "<|im_end|>"
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, tokenizer: str = "builtin") -> Path:
+    """A randomly initialised ~0.2M-parameter model of ``arch`` with a tokenizer: the built-in one,
+    "bpe" (trained byte-level BPE), "bpe-llama3" (the same with Llama 3's split), "spm" (trained
+    SentencePiece BPE) or "spm-chatml"."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from localrl.models.recipe import build_tokenizer
+
+    if tokenizer.startswith("spm"):
+        tok = train_spm_tokenizer(out.with_name(out.name + "-spm"), chatml=tokenizer == "spm-chatml")
+    else:
+        tok = train_bpe_tokenizer(tokenizer == "bpe-llama3") if tokenizer.startswith("bpe") else build_tokenizer()
+    config = getattr(transformers, ARCH_CONFIGS[arch])(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    if arch == "qwen3":
+        config.head_dim = 16
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+# -- the command line and runs ----------------------------------------------------------------
+
+def localrl(*args, cwd=None, timeout=300, input=None) -> subprocess.CompletedProcess:
+    """``python -m localrl ARGS`` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "localrl", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, input=input)
+
+
+TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb"}  # vary run to run
+QUIET = {"log": lambda *_: None}
+
+
+def train_records(run_dir) -> list[dict]:
+    """A run's per-step records without the fields that vary from run to run."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+            for r in read_metrics(Run(run_dir).metrics_path) if r["kind"] == "train"]
+
+
+def small(run_dir, **kw) -> TrainConfig:
+    """A few-second run of the built-in model and task."""
+    base = dict(prompts_per_step=4, group_size=4, max_new_tokens=48, eval_size=0, save_every=2,
+                run_dir=str(run_dir), seed=7)
+    return TrainConfig(**{**base, **kw}).validate()
+
+
+def distinct_chars(completions, **_) -> list[float]:
+    """A reward that differs between random completions, so advantages are non-zero."""
+    return [float(len(set(c))) for c in completions]
+
+
+# -- the terminal UI ----------------------------------------------------------------------------
+
+async def wait_for(pilot, predicate, timeout: float = 120.0, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the UI")
+        await pilot.pause(step)
+
+
+class ScriptedModel:
+    """A chat model that replies from a script (stands in for an LLM that can use tools; the
+    tiny built-in model cannot). Records the conversations it was shown."""
+
+    name = "scripted"
+
+    def __init__(self, replies: list[str]):
+        self.replies = list(replies)
+        self.seen: list[list[dict]] = []
+
+    def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
+        self.seen.append([dict(m) for m in messages])
+        reply = self.replies.pop(0) if self.replies else "Done."
+        for i in range(0, len(reply), 7):
+            yield reply[i:i + 7]
+
+    def close(self):
+        pass
+
+
+def tool_call(command: str) -> str:
+    return "<think>I should look.</think>" + '<tool_call>{"name": "shell", "arguments": {"command": ' + \
+        json.dumps(command) + "}}</tool_call>"

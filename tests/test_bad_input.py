@@ -1,0 +1,245 @@
+"""What a careless user can do, and the answer each gets: one line naming what and where, before any
+weights load, with nothing written; and resume refusing what would be silently wrong.
+
+The command line is called in-process (``localrl.cli.main``), exactly as the ``localrl`` script calls
+it: an exception that is not a UserError escapes and fails the test, so a traceback cannot pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from localrl.cli import main
+from localrl.errors import UserError
+from localrl.runs import Run
+from localrl.trainer import resume_config, train
+from tests.helpers import QUIET, small, train_records
+
+
+def run_cli(capsys, *args) -> tuple[int, list[str]]:
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def one_line(capsys, *args) -> str:
+    code, err = run_cli(capsys, *args)
+    assert code == 2 and len(err) == 1 and err[0].startswith("localrl: error: "), err
+    return err[0]
+
+
+@pytest.fixture
+def audit_dir(tmp_path, monkeypatch):
+    """A working directory holding the audit's bad files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9?", "answer": 1}\n')
+    (tmp_path / "huge.jsonl").write_text(json.dumps({"prompt": "x " * 5_000_000, "answer": 1}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1? " * 30, "answer": 2}) + "\n")
+    (tmp_path / "a-file").write_text("not a directory\n")
+    return tmp_path
+
+
+TRAIN_CASES = [
+    (["--data", "latin1.jsonl"], "latin1.jsonl:1: not UTF-8 text (byte 0xe9"),
+    (["--data", "huge.jsonl"], "huge.jsonl:1: the prompt is at least"),
+    (["--data", "long.jsonl"], "long.jsonl:1: the prompt is"),
+    (["--max-new-tokens", "5000"], "config field max_new_tokens: 5000 leaves no room for a prompt in the model's "
+                                   "context of 256 tokens"),
+    (["--group-size", "100000"], "lower group_size or prompts_per_step"),
+    (["--lr", "inf"], "config field lr: must be a finite number"),
+    (["--beta", "inf"], "config field beta: must be a finite number"),
+    (["--temperature", "inf"], "config field temperature: must be a finite number"),
+    (["--epsilon", "nan"], "config field epsilon: must be a finite number"),
+    (["--memory-budget", "1e999GB"], "config field memory_budget: '1e999GB' is more memory than any machine has"),
+    (["--run-dir", "a-file"], "run_dir a-file: is a file, not a directory"),
+    (["--run-dir", "a-file/run"], "run_dir a-file/run: cannot be written"),
+    (["--run-dir", "/proc/localrl-run"], "run_dir /proc/localrl-run: cannot be written"),
+    (["--steps", "1.5"], "config field steps: expected int, got '1.5'"),
+    (["--steps"], "flag --steps: needs a value"),
+    (["--no-steps"], "flag --no-steps: steps is not a yes/no field"),
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["--resume", "a-file"], "resume a-file: not a run directory"),
+    (["--resume", "nowhere"], "resume nowhere: no such directory"),
+]
+
+
+@pytest.mark.parametrize("args, message", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
+def test_bad_train_input_is_one_line_and_writes_nothing(audit_dir, capsys, args, message):
+    before = sorted(p.name for p in audit_dir.iterdir())
+    code, err = run_cli(capsys, "train", *args)
+    if message.startswith("unrecognized"):  # argparse's own answer: usage, then the error
+        assert code == 2 and message in err[-1]
+    else:
+        assert code == 2 and len(err) == 1 and err[0].startswith("localrl: error: ") and message in err[0], err
+    assert sorted(p.name for p in audit_dir.iterdir()) == before  # no run directory, no runs/, no stray file
+
+
+def test_corrupted_weights_are_one_line(audit_dir, capsys, builtin_model):
+    for name, damage in [("truncated", lambda b: b[: len(b) // 2]), ("random", lambda b: bytes(len(b)))]:
+        model = audit_dir / name
+        shutil.copytree(builtin_model, model)
+        weights = model / "model.safetensors"
+        weights.write_bytes(damage(weights.read_bytes()))
+        line = one_line(capsys, "train", "--model", model, "--run-dir", "run")
+        assert "model.safetensors is " + ("truncated" if name == "truncated" else "not a readable") in line
+        line = one_line(capsys, "export", model, "--out", "x.gguf")
+        assert "model.safetensors is" in line
+    assert not (audit_dir / "run").exists() and not (audit_dir / "x.gguf").exists()
+
+
+def test_truncated_and_foreign_gguf_files_are_one_line(audit_dir, capsys, builtin_model):
+    from localrl.quant.export import export
+
+    good = audit_dir / "m.gguf"
+    export(builtin_model, good, "f16", check=False, log=lambda *_: None)
+    data = good.read_bytes()
+    (audit_dir / "cut.gguf").write_bytes(data[: len(data) // 2])
+    (audit_dir / "header.gguf").write_bytes(data[:200])
+    (audit_dir / "text.gguf").write_text("hello")
+    assert "truncated GGUF" in one_line(capsys, "chat", "cut.gguf")
+    assert "GGUF" in one_line(capsys, "chat", "header.gguf")
+    assert "not a GGUF file" in one_line(capsys, "chat", "text.gguf")
+    assert "no such file" in one_line(capsys, "chat", "missing.gguf")
+
+
+def test_export_output_is_checked_before_the_model_loads(audit_dir, capsys, builtin_model, monkeypatch):
+    import localrl.runs
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(localrl.runs, "load_merged", no_loading)
+    (audit_dir / "folder.gguf").mkdir()
+    assert "output folder.gguf is a directory" in one_line(capsys, "export", builtin_model, "--out", "folder.gguf")
+    assert "cannot write a-file/x.gguf" in one_line(capsys, "export", builtin_model, "--out", "a-file/x.gguf")
+    assert "cannot write /proc/x.gguf" in one_line(capsys, "export", builtin_model, "--out", "/proc/x.gguf")
+    assert "should end in .gguf" in one_line(capsys, "export", builtin_model, "--out", "x.bin")
+    assert "unknown quant type 'q9'" in one_line(capsys, "export", builtin_model, "--out", "x.gguf", "--quant", "q9")
+    assert sorted(p.name for p in audit_dir.iterdir()) == sorted(
+        ["a-file", "folder.gguf", "huge.jsonl", "latin1.jsonl", "long.jsonl"])
+
+
+def test_plan_and_baselines_bad_numbers_are_one_line(audit_dir, capsys):
+    assert "budget" in one_line(capsys, "plan", "--prompt-len", "10", "--completion-len", "10", "--budget", "1e999GB")
+    assert "--group >= 2" in one_line(capsys, "plan", "--prompt-len", "10", "--completion-len", "10", "--group", "1")
+    assert "--steps must be at least 1" in one_line(capsys, "baselines", "pong", "--steps", "0")
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, builtin_model):
+    """A 3-step run with checkpoints at steps 2 and 3 (copied by each test that damages it)."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    train(small(run, steps=3, save_every=1), **QUIET)
+    assert [p.name for p in Run(run).checkpoints()] == ["step-000002", "step-000003"]
+    return run
+
+
+def copy_run(trained_run, tmp_path):
+    return shutil.copytree(trained_run, tmp_path / "run")
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    weights = run / "checkpoints" / "step-000003" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    lines = []
+    result = train(resume_config(run, {"steps": 4}), resume=True, log=lines.append)
+    assert any("step-000003: cannot be loaded" in line for line in lines)
+    assert any("resumed" in line and "step-000002" in line and "newest that loads" in line for line in lines)
+    assert result.steps_done == 4
+    assert [r["step"] for r in train_records(run)] == [1, 2, 3, 4]  # step 3 recomputed, recorded once
+    assert train_records(run)[:2] == train_records(trained_run)[:2]
+
+
+def test_a_half_deleted_checkpoint_is_never_under_a_valid_name(trained_run, tmp_path, monkeypatch):
+    """Rotation renames before it deletes: a kill midway leaves a hidden leftover, removed on the next start."""
+    import localrl.runs
+
+    run = copy_run(trained_run, tmp_path)
+
+    def killed_midway(path, ignore_errors=False):
+        (path / "adapter_model.safetensors").unlink()  # some files gone, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(localrl.runs.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train(resume_config(run, {"steps": 4}), resume=True, **QUIET)
+    monkeypatch.undo()
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names[0].startswith(".old-step-000002") and names[1:] == ["step-000003", "step-000004"]
+    for ckpt in Run(run).checkpoints():  # everything under a step-* name is whole
+        assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.pt"} <= {
+            p.name for p in ckpt.iterdir()}
+    train(resume_config(run, {"steps": 5}), resume=True, **QUIET)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+
+
+def test_deleted_checkpoints_are_not_a_silent_restart(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(UserError, match="record a checkpoint at step 3, but checkpoints/ holds none; refusing"):
+        train(resume_config(run, {"steps": 4}), resume=True, **QUIET)
+
+
+def test_other_base_weights_of_the_same_shape_are_refused(trained_run, tmp_path, builtin_model):
+    run = copy_run(trained_run, tmp_path)
+    other = shutil.copytree(builtin_model, tmp_path / "other-model")
+    weights = load_file(str(other / "model.safetensors"))
+    save_file({k: v * 1.01 for k, v in weights.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="is not the base this run was trained on"):
+        train(resume_config(run, {"model": str(other), "steps": 4}), resume=True, **QUIET)
+    # the same weights under another path are the run's own
+    same = shutil.copytree(builtin_model, tmp_path / "same-model")
+    train(resume_config(run, {"model": str(same), "steps": 4}), resume=True, **QUIET)
+    assert Run(run).steps_done() == 4
+
+
+def test_a_failed_resume_changes_nothing(trained_run, tmp_path, capsys):
+    run = copy_run(trained_run, tmp_path)
+    (run / "checkpoints" / "step-000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "checkpoints" / "step-000003" / "trainer_state.pt").write_bytes(b"x")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    line = one_line(capsys, "train", "--resume", run, "--lr", "0.5", "--steps", "9")
+    assert "no checkpoint loads" in line
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # config.toml still the old one
+
+
+def test_a_run_killed_before_its_config_can_be_started_again(tmp_path, capsys, monkeypatch, builtin_model):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"  # what a kill -9 while the model loads leaves
+    (run / "checkpoints" / ".tmp-step-000001-x").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "status", "stage": "load", "message": "loading"}) + "\n")
+    line = one_line(capsys, "train", "--resume", "run")
+    assert "the run stopped before it started" in line and "localrl train --run-dir run" in line
+    code, _ = run_cli(capsys, "train", "--run-dir", "run", "--steps", "1", "--eval-size", "0",
+                      "--prompts-per-step", "2", "--group-size", "2")
+    assert code == 0 and Run(run).steps_done() == 1
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    # a folder of the user's that is not a run is never cleared
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert "not empty and not a run" in one_line(capsys, "train", "--run-dir", "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_ctrl_c_while_the_model_loads_leaves_nothing_and_says_so(tmp_path, monkeypatch, builtin_model):
+    import localrl.trainer
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(localrl.trainer, "load_policy", interrupted)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        train(small(tmp_path / "runs" / "run", steps=1), log=lines.append)
+    assert lines == ["interrupted before training started: nothing was saved"]
+    assert not (tmp_path / "runs").exists()  # the directories it made are gone

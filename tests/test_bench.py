@@ -1,0 +1,147 @@
+"""The benchmarks: every `localrl bench` command runs at a tiny size and prints its ratios (as a user runs it,
+in a subprocess), and grpo-step's prompts have exactly the requested token count. Smoke tests, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from localrl.bench import exact_length_prompts
+from localrl.cli import main
+from localrl.models.recipe import build_tokenizer
+from localrl.rollout import encode_prompts
+
+TINY = ["--model-size", "tiny", "--prompt-len", "12", "--completion-len", "6", "--group", "2", "--repeats", "1"]
+
+
+def bench(*args, env=None) -> subprocess.CompletedProcess:
+    """``python -m localrl bench ARGS``."""
+    return subprocess.run([sys.executable, "-m", "localrl", "bench", *args], capture_output=True, text=True,
+                          timeout=240, env=env)
+
+
+def numbers(*texts: str) -> list[float]:
+    values = [float(t) for t in texts]
+    assert all(math.isfinite(v) for v in values), texts
+    return values
+
+
+def json_line(stdout: str):
+    return json.loads(stdout.strip().splitlines()[-1])  # --json prints last, after any library's log lines
+
+
+# -- grpo-step's prompts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 300, 1000])
+def test_prompts_have_exactly_the_requested_tokens(length):
+    tok = build_tokenizer()
+    tok.chat_template = None  # as the bench's model has it: raw-text prompts
+    prompts = exact_length_prompts(tok, length, count=4)
+    assert len(set(prompts)) == 4
+    assert [len(tok(p)["input_ids"]) for p in prompts] == [length] * 4  # how TRL encodes them
+    assert [len(ids) for ids in encode_prompts(tok, [{"prompt": p} for p in prompts])] == [length] * 4  # localrl
+
+
+def test_prompts_survive_the_tokenizer_being_saved_and_loaded(tmp_path):
+    from localrl.modeling import load_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))  # the bench measures with the tokenizer both trainers load
+    assert [len(tok(p)["input_ids"]) for p in exact_length_prompts(tok, 500, count=3)] == [500] * 3
+
+
+def test_why_prompts_are_built_from_tokens():
+    """The regression: the built-in tokenizer's merges make random letters fewer tokens than characters."""
+    tok = build_tokenizer()
+    assert len(tok("as is")["input_ids"]) < len("as is")
+
+
+@pytest.mark.parametrize("kind", ["bpe", "spm"])
+def test_prompts_are_exact_for_other_tokenizers(tmp_path, kind):
+    """Many merges (a trained BPE), or a tokenizer that adds a BOS itself (SentencePiece, Llama 2 style)."""
+    from tests.helpers import train_bpe_tokenizer, train_spm_tokenizer
+
+    tok = train_bpe_tokenizer() if kind == "bpe" else train_spm_tokenizer(tmp_path)
+    for length in (3, 50, 400):
+        assert [len(tok(p)["input_ids"]) for p in exact_length_prompts(tok, length, count=2)] == [length] * 2
+
+
+def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
+    from localrl.errors import UserError
+    from tests.helpers import train_spm_tokenizer
+
+    with pytest.raises(UserError, match="adds 1 special token"):
+        exact_length_prompts(train_spm_tokenizer(tmp_path), 1, count=1)  # the BOS alone is one token
+
+
+# -- bad flags: one line, before any work ------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "--quant", "q8_0", "--quant", "q4_k_m,q9"], "unknown quant type(s) q9; known: f32"),
+    (["export", "--prompt-len", "8"], "are for prompt-cache and grpo-step"),
+    (["export", "--model-size", "tiny"], "are for prompt-cache and grpo-step"),
+    (["prompt-cache", "--quant", "q8_0"], "--quant is for bench export"),
+    (["prompt-cache", "--group", "1"], "shape P=1000 R=100 G=1: need P, R >= 1 and G >= 2"),
+])
+def test_bad_bench_flags_are_user_errors(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_grpo_step_without_trl_is_one_line(tmp_path):
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("raise ImportError('TRL is not installed')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = bench("grpo-step", *TINY, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "localrl: error: bench grpo-step: needs TRL (pip install -e '.[bench]')"
+
+
+# -- every bench, tiny ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_prompt_cache_tiny():
+    proc = bench("prompt-cache", *TINY, "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = re.search(r"^\s*12\s+6\s+2 \|\s+(\S+)\s+(\S+)\s+(\S+)x\s+(\S+)x \|\s+(\S+)\s+(\S+)\s+(\S+)x \|\s+(\S+)x$",
+                    proc.stdout, re.M)
+    assert row, proc.stdout
+    naive_s, cached_s, speedup, limit, naive_mb, cached_mb, memory_ratio, rss_ratio = numbers(*row.groups())
+    assert speedup > 0 and limit > 1 and memory_ratio > 0 and rss_ratio >= 0
+    [result] = json_line(proc.stdout)
+    assert (result["P"], result["R"], result["G"]) == (12, 6, 2)
+    assert result["naive_s"] > 0 and result["cached_s"] > 0 and result["speedup"] > 0
+    assert result["naive_bytes"] > 0 and result["cached_bytes"] > 0 and result["memory_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_bench_grpo_step_tiny():
+    proc = bench("grpo-step", *TINY, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checked: every prompt was 12 tokens and every completion 6 tokens in both" in proc.stdout
+    line = re.search(r"^whole GRPO step, P=12 R=6 G=2: localrl (\S+) s, TRL GRPOTrainer (\S+) s "
+                     r"-> localrl (\S+)x faster$", proc.stdout, re.M)
+    assert line, proc.stdout
+    _, _, speedup = numbers(*line.groups())
+    assert speedup > 0
+    result = json_line(proc.stdout)
+    assert result["localrl_s"] > 0 and result["trl_s"] > 0 and result["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_bench_export_tiny(builtin_model):
+    proc = bench("export", "--quant", "q8_0")  # one type: each costs a few seconds (comma lists: tested above)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {m[0]: m[1:] for m in re.findall(r"^(\w+)\s+(\S+)\s+(\S+) \|\s+(same|DIFF)\s+(\S+)%\s+(\S+)\s+(\S+)%\s+"
+                                            r"(same|diff) \| (pass|FAIL)$", proc.stdout, re.M)}
+    assert list(rows) == ["q8_0"], proc.stdout
+    for quant, (export_s, mib, tokens, top1, dlogit, of_range, greedy, result) in rows.items():
+        assert result == "pass" and tokens == "same", (quant, proc.stdout)
+        seconds, size, top1, dlogit, of_range = numbers(export_s, mib, top1, dlogit, of_range)
+        assert seconds > 0 and size > 0 and 0 < top1 <= 100 and dlogit >= 0 and of_range >= 0

@@ -1,0 +1,126 @@
+"""The package's shape: one import namespace, no import cycles, arrows pointing down, one owner of
+the run directory's layout. Read from the source with ``ast``, imports inside functions included."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder on disk -> the package it installs as (pyproject's package-dir)
+FOLDERS = {"localrl": "localrl", "models": "localrl.models", "quant": "localrl.quant", "tui": "localrl.tui"}
+RUN_FILE_NAMES = ("config.toml", "metrics.jsonl", "base.json", "trainer_state.pt", '"checkpoints"', "step-{")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name."""
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the localrl modules it imports (at the top or inside functions)."""
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:  # `from pkg import submodule` imports the submodule
+                    targets.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module)
+        graph[name] = {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_reader_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    graph = import_graph()
+    assert "localrl.runs" in graph["localrl.trainer"] and "localrl.quant.gguf_writer" in graph["localrl.quant.export"]
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_import_arrows_point_down():
+    graph = import_graph()
+    importers = lambda target: {m for m, deps in graph.items() if any(d == target or d.startswith(target + ".")
+                                                                      for d in deps)}
+    # the UI is on top: only the CLI starts it; training code never imports it
+    assert {m for m in importers("localrl.tui") if not m.startswith("localrl.tui")} == {"localrl.cli"}
+    assert importers("localrl.cli") == {"localrl.__main__"}
+    # the bottom layer imports nothing above it
+    for low in ("localrl.runs", "localrl.losses", "localrl.rewards", "localrl.config", "localrl.metrics",
+                "localrl.models"):
+        above = {d for d in graph[low] if d.startswith(("localrl.trainer", "localrl.cli", "localrl.tui",
+                                                        "localrl.chat", "localrl.serve", "localrl.quant"))}
+        assert not above, f"{low} imports {above}"
+    # built-in models do not pull in training code when imported
+    assert graph["localrl.models"] == set()
+
+
+def test_run_directory_names_are_spelled_only_in_runs_py():
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in modules().values() if path.name != "runs.py"
+                 for name in RUN_FILE_NAMES if name in path.read_text()]
+    assert not offenders
+
+
+@pytest.mark.slow
+def test_one_namespace_even_beside_a_users_own_models_package(tmp_path):
+    """A project with its own models/ package: `python -m localrl` still finds the built-in models,
+    and nothing generic (models, quant, tui) is importable from the installed package."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("ROOT = 'the user project'\n")
+    listed = subprocess.run([sys.executable, "-m", "localrl", "models", "list"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("tiny-arith\t") and "\tbuilt" in listed.stdout
+    for generic in ("quant", "tui"):
+        probe = subprocess.run([sys.executable, "-c", f"import {generic}"], cwd=tmp_path, capture_output=True,
+                               text=True)
+        assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr
+    ours = subprocess.run([sys.executable, "-c", "import models, localrl.models as m; print(models.ROOT, m.DEFAULT)"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert ours.stdout.split() == ["the", "user", "project", "tiny-arith"], ours.stderr
+
+
+def test_builtin_names_match_the_recipes():
+    from localrl.models import builtin_names
+    from localrl.models.recipe import RECIPES
+
+    assert builtin_names() == sorted(RECIPES)
