@@ -7,7 +7,11 @@ it: an exception that is not a UserError escapes and fails the test, so a traceb
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -243,3 +247,55 @@ def test_ctrl_c_while_the_model_loads_leaves_nothing_and_says_so(tmp_path, monke
         train(small(tmp_path / "runs" / "run", steps=1), log=lines.append)
     assert lines == ["interrupted before training started: nothing was saved"]
     assert not (tmp_path / "runs").exists()  # the directories it made are gone
+
+
+# -- kill -9 -----------------------------------------------------------------------------------
+
+
+def _spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "localrl", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the process ended before the moment to kill it"
+        assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_kill_9_during_export_leaves_nothing_under_the_name_and_the_next_export_cleans_up(tmp_path, builtin_model):
+    from localrl.quant.export import export
+
+    out = tmp_path / "m.gguf"
+    proc = _spawn("export", builtin_model, "--out", out, "--quant", "q4_k_m")
+    _kill_when(proc, lambda: any(tmp_path.glob(".tmp-*")))
+    assert not out.exists() and not out.with_suffix(".Modelfile").exists()
+    assert any(tmp_path.glob(".tmp-*"))  # what the kill left (the f16 intermediate or the file itself)
+    result = export(builtin_model, out, "q4_k_m", log=lambda *_: None)
+    assert result.path == out and out.with_suffix(".Modelfile").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.Modelfile", "m.gguf"]
+
+
+@pytest.mark.slow
+def test_kill_9_while_loading_then_mid_run_resumes_like_an_uninterrupted_run(tmp_path, builtin_model):
+    run = tmp_path / "run"
+    flags = ["--run-dir", run, "--steps", "6", "--eval-size", "0", "--prompts-per-step", "4", "--group-size", "4",
+             "--save-every", "1", "--seed", "7", "--max-new-tokens", "48"]
+    metrics = Run(run).metrics_path
+    # killed while the model loads: no config yet; started again in the same directory
+    _kill_when(_spawn("train", *flags), lambda: metrics.exists() and "load" in metrics.read_text())
+    assert not Run(run).config_path.exists()
+    # killed mid-run, after a random number of steps (in a step, or in a checkpoint write)
+    target = random.randint(2, 4)
+    _kill_when(_spawn("train", *flags), lambda: len(train_records(run)) >= target)
+    done = Run(run).steps_done()
+    assert 1 <= done < 6
+    train(resume_config(run), resume=True, **QUIET)
+    reference = train(small(tmp_path / "ref", steps=6, save_every=1), **QUIET)
+    assert train_records(run) == train_records(reference.run_dir)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
