@@ -191,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
         raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
     shape = read_shape(args.model)
-    budget = parse_bytes(args.budget, "budget") if args.budget else None
+    budget = parse_bytes(args.budget, "budget", "plan: --budget") if args.budget else None
     dtype_bytes = 2 if args.device == "cuda" else 4
     plan = plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, budget,
                      args.lora_rank, not args.no_4bit, dtype_bytes)

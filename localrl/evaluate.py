@@ -61,8 +61,8 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     rewards, weights = default_rewards(cfg.reward, cfg.format_weight)
     task = load_task(cfg.data, cfg.eval_data, cfg.eval_size)
     if not task.held_out:
-        raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size {cfg.eval_size})",
-                        field="eval_size")
+        raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
+                        f"pass --eval-size N)", field="eval_size")
     device = pick_device(cfg.device)
     if run is not None:
         model, tok, ckpt = Run.open(run).load_adapter(device, cfg.load_in_4bit, cfg)

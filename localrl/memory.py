@@ -39,18 +39,19 @@ GIB = 2**30
 CHUNK_CHOICES = (1024, 512, 256, 128)  # larger chunks buy no speed, only memory
 
 
-def parse_bytes(text: str, field: str = "memory_budget") -> int:
-    """'10GB', '12GiB', '512MB', '2e9' -> bytes (GB and GiB both mean 2**30 here, as on GPU spec sheets)."""
+def parse_bytes(text: str, field: str = "memory_budget", what: str | None = None) -> int:
+    """'10GB', '12GiB', '512MB', '2e9' -> bytes (GB and GiB both mean 2**30 here, as on GPU spec sheets).
+    Errors name ``what`` (default: the config field)."""
+    what = what or f"config field {field}"
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
     if not m:
-        raise UserError(f"config field {field}: cannot read {text!r} as a size (for example 10GB or 512MB)",
-                        field=field)
+        raise UserError(f"{what}: cannot read {text!r} as a size (for example 10GB or 512MB)", field=field)
     unit = (m.group(2) or "b").rstrip("b").rstrip("i")
     value = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
     if value <= 0:
-        raise UserError(f"config field {field}: must be positive (got {text!r})", field=field)
+        raise UserError(f"{what}: must be positive (got {text!r})", field=field)
     if value > 2**60:  # also catches 1e999, which reads as infinity
-        raise UserError(f"config field {field}: {text!r} is more memory than any machine has", field=field)
+        raise UserError(f"{what}: {text!r} is more memory than any machine has", field=field)
     return int(value)
 
 

@@ -47,6 +47,9 @@ def check_output(out: str | Path, quant: str) -> Path:
         raise UserError(f"export: output {out} should end in .gguf")
     if out.is_dir():
         raise UserError(f"export: output {out} is a directory")
+    blocked = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+    if blocked is not None:
+        raise UserError(f"export: cannot write {out} ({blocked} is a file, not a directory)")
     made = [a for a in out.parents if not a.exists()]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ def audit_dir(tmp_path, monkeypatch):
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9?", "answer": 1}\n')
     (tmp_path / "huge.jsonl").write_text(json.dumps({"prompt": "x " * 5_000_000, "answer": 1}) + "\n")
     (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1? " * 30, "answer": 2}) + "\n")
+    (tmp_path / "nan.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": NaN}\n')
     (tmp_path / "a-file").write_text("not a directory\n")
     return tmp_path
 
@@ -52,6 +53,7 @@ def audit_dir(tmp_path, monkeypatch):
 TRAIN_CASES = [
     (["--data", "latin1.jsonl"], "latin1.jsonl:1: not UTF-8 text (byte 0xe9"),
     (["--data", "huge.jsonl"], "huge.jsonl:1: the prompt is at least"),
+    (["--data", "nan.jsonl"], "nan.jsonl:1: 'answer' must be a finite number (got nan)"),
     (["--data", "long.jsonl"], "long.jsonl:1: the prompt is"),
     (["--max-new-tokens", "5000"], "config field max_new_tokens: 5000 leaves no room for a prompt in the model's "
                                    "context of 256 tokens"),
@@ -107,6 +109,7 @@ def test_truncated_and_foreign_gguf_files_are_one_line(audit_dir, capsys, builti
     (audit_dir / "header.gguf").write_bytes(data[:200])
     (audit_dir / "text.gguf").write_text("hello")
     assert "truncated GGUF" in one_line(capsys, "chat", "cut.gguf")
+    assert "truncated GGUF" in one_line(capsys, "serve", "cut.gguf")
     assert "GGUF" in one_line(capsys, "chat", "header.gguf")
     assert "not a GGUF file" in one_line(capsys, "chat", "text.gguf")
     assert "no such file" in one_line(capsys, "chat", "missing.gguf")
@@ -121,12 +124,32 @@ def test_export_output_is_checked_before_the_model_loads(audit_dir, capsys, buil
     monkeypatch.setattr(localrl.runs, "load_merged", no_loading)
     (audit_dir / "folder.gguf").mkdir()
     assert "output folder.gguf is a directory" in one_line(capsys, "export", builtin_model, "--out", "folder.gguf")
-    assert "cannot write a-file/x.gguf" in one_line(capsys, "export", builtin_model, "--out", "a-file/x.gguf")
+    assert "cannot write a-file/x.gguf (a-file is a file" in one_line(capsys, "export", builtin_model, "--out",
+                                                                     "a-file/x.gguf")
     assert "cannot write /proc/x.gguf" in one_line(capsys, "export", builtin_model, "--out", "/proc/x.gguf")
     assert "should end in .gguf" in one_line(capsys, "export", builtin_model, "--out", "x.bin")
     assert "unknown quant type 'q9'" in one_line(capsys, "export", builtin_model, "--out", "x.gguf", "--quant", "q9")
     assert sorted(p.name for p in audit_dir.iterdir()) == sorted(
-        ["a-file", "folder.gguf", "huge.jsonl", "latin1.jsonl", "long.jsonl"])
+        ["a-file", "folder.gguf", "huge.jsonl", "latin1.jsonl", "long.jsonl", "nan.jsonl"])
+
+
+def test_an_export_stopped_during_validation_puts_nothing_in_place(tmp_path, builtin_model, monkeypatch):
+    """The file is validated under its temporary name: stopped there, no unvalidated GGUF (or Modelfile)
+    appears under the requested name, and the next export to that name removes what was left."""
+    import localrl.quant.export as export_module
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "check_gguf", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        export_module.export(builtin_model, tmp_path / "m.gguf", "f16", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / ".tmp-f16-0123abcd-m.gguf").write_bytes(b"left by a kill")
+    (tmp_path / ".tmp-m.Modelfile").write_text("left by a kill")
+    result = export_module.export(builtin_model, tmp_path / "m.gguf", "f16", log=lambda *_: None)
+    assert result.report.passed and sorted(p.name for p in tmp_path.iterdir()) == ["m.Modelfile", "m.gguf"]
 
 
 def test_plan_and_baselines_bad_numbers_are_one_line(audit_dir, capsys):

@@ -7,6 +7,7 @@ The whole file is checked before training starts; the first bad line stops the r
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +56,8 @@ def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None =
         _check_prompt(row["prompt"], where)
         if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
             raise UserError(f"{where}: 'answer' must be a string or a number")
+        if isinstance(row["answer"], float) and not math.isfinite(row["answer"]):  # JSON's NaN and Infinity
+            raise UserError(f"{where}: 'answer' must be a finite number (got {row['answer']})")
         if check_row is not None:
             check_row(row, where)
         rows.append(row)
