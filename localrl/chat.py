@@ -29,11 +29,11 @@ class GGUFChat:
     """A GGUF through llama-cpp-python; ``n_ctx`` 0 means the context the model was trained with."""
 
     def __init__(self, path: str | Path, n_ctx: int = 0):
-        from llama_cpp import Llama
-
         from localrl.quant.gguf_info import read_gguf_info
+        from localrl.quant.runtime import require_llama_cpp
 
         info = read_gguf_info(path)
+        Llama = require_llama_cpp(f"chatting with {info.path.name}").Llama
         self.path, self.name = info.path, info.path.name
         self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx or info.context_length or 2048, verbose=False)
 

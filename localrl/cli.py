@@ -1,7 +1,7 @@
 """The ``localrl`` command: parse, validate, call the library. Nothing here a user could not call from Python.
 
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
-    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--no-4bit]
+    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL
@@ -26,7 +26,7 @@ from localrl.errors import UserError
 
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "format_weight",
-               "max_new_tokens", "load_in_4bit", "device"]
+               "system_prompt", "max_new_tokens", "quantize", "device"]
 FIELD_COMMANDS = {"train": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
 
 
@@ -112,8 +112,21 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
         result = evaluate_policy(cfg, args.run, progress=None if args.json else progress)
     finally:
         bar.close()
-    print(json.dumps(result) if args.json else f"{result['model']}: {_eval_line(result)}")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}: {_eval_line(result)}")
+    for i, sample in enumerate(result["samples"], 1):  # what the rewards saw, so a score can be understood
+        print(f"\n[{i}] prompt: {_one_line(sample['prompt'])}\n    answer: {sample['answer']}"
+              f"\n    completion: {_one_line(sample['completion'])}\n    rewards: "
+              + ", ".join(f"{name} {value:g}" for name, value in sample["rewards"].items()))
     return 0
+
+
+def _one_line(text, width: int = 200) -> str:
+    text = text if isinstance(text, str) else " | ".join(m["content"] for m in text)
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -186,15 +199,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from localrl.memory import parse_bytes, plan_step, read_shape
+    import torch
+
+    from localrl.config import TrainConfig
+    from localrl.memory import choose_4bit, parse_bytes, plan_step, read_shape
 
     if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
         raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
-    shape = read_shape(args.model)
     budget = parse_bytes(args.budget, "budget", "plan: --budget") if args.budget else None
+    shape = read_shape(args.model)
     dtype_bytes = 2 if args.device == "cuda" else 4
+    quantize = "none" if args.no_4bit else args.quantize
+    cfg = TrainConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.completion_len,
+                      lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget).validate()
+    in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(args.device))
+    print(f"base: {why}")
     plan = plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, budget,
-                     args.lora_rank, not args.no_4bit, dtype_bytes)
+                     args.lora_rank, in_4bit, dtype_bytes)
     print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
           f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
           f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}")
@@ -321,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completion-len", type=int, required=True, help="completion tokens (R)")
     p.add_argument("--budget", default="", help="memory budget, for example 12GB (empty: no limit)")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--no-4bit", action="store_true", help="plan for a full-precision base")
+    p.add_argument("--quantize", default="auto", choices=["auto", "nf4", "none"],
+                   help="base weights, as in train (auto: nf4 on cuda, full precision on cpu unless memory needs nf4)")
+    p.add_argument("--no-4bit", action="store_true", help="the same as --quantize none")
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="compute dtype: bf16 on cuda, fp32 on cpu")
     p.set_defaults(func=cmd_plan)
 

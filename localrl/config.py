@@ -18,7 +18,7 @@ from typing import Any
 
 from localrl.errors import UserError
 
-BUILTIN_TASK = "arith"
+BUILTIN_TASKS = ("arith", "words")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -28,13 +28,20 @@ def _f(default: Any, help: str) -> Any:
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, or hub id")
-    data: str = _f(BUILTIN_TASK, "built-in task name ('arith') or a JSONL file of {prompt, answer, ...} rows")
+    model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, FILE.gguf, "
+                                  "ollama:NAME[:TAG], or hub id")
+    data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems) or a JSONL file of "
+                            "{prompt, answer, ...} rows")
     eval_data: str = _f("", "JSONL file of held-out rows; empty: the task's own held-out split")
     reward: str = _f("numeric", "correctness reward: numeric, exact, regex, format, or package.module:function")
     format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
+    system_prompt: str = _f("auto", "system message before every prompt: 'auto' (the <think>/<answer> format "
+                                    "instruction, except for built-in models, which learned the format), 'none', "
+                                    "or the text itself")
     # model and adapter
-    load_in_4bit: bool = _f(True, "load the base weights in 4-bit NF4 (bitsandbytes); --no-4bit for full precision")
+    quantize: str = _f("auto", "base weights: 'nf4' (4-bit, bitsandbytes; --4bit), 'none' (full precision; "
+                               "--no-4bit), or 'auto': nf4 on a GPU, full precision on a CPU (4-bit decoding is "
+                               "about 12x slower there) unless the memory budget or free memory needs nf4")
     lora_rank: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / rank)")
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
@@ -91,6 +98,7 @@ class TrainConfig:
             ("keep_checkpoints", self.keep_checkpoints >= 1, "must be at least 1"),
             ("threads", self.threads >= 0, "must be non-negative"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+            ("quantize", self.quantize in ("auto", "nf4", "none"), "must be auto, nf4 or none"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -143,6 +151,8 @@ def flag_name(field: str) -> str:
 
 
 _BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+FLAG_ALIASES = {"--4bit": ("quantize", "nf4"), "--no-4bit": ("quantize", "none")}  # flag -> (field, value)
+LEGACY_FIELDS = {"load_in_4bit": ("quantize", {True: "nf4", False: "none"})}  # in run configs written before
 
 
 def split_overrides(argv: list[str], allowed: list[str] | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -153,13 +163,16 @@ def split_overrides(argv: list[str], allowed: list[str] | None = None) -> tuple[
     Only ``allowed`` fields (default: all) are read; values are converted and type-checked.
     """
     names = {flag_name(n): n for n in (allowed if allowed is not None else FIELDS)}
-    if "load_in_4bit" in names.values():
-        names["--4bit"] = "load_in_4bit"
     out: dict[str, Any] = {}
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg in FLAG_ALIASES and FLAG_ALIASES[arg][0] in names.values():
+            field, value = FLAG_ALIASES[arg]
+            out[field] = value
+            i += 1
+            continue
         flag, eq, value = arg.partition("=")
         negated = flag.startswith("--no-") and "--" + flag[len("--no-"):] in names
         name = names.get("--" + flag[len("--no-"):] if negated else flag)
@@ -216,6 +229,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"config file {p}: invalid TOML ({e})") from None
     raw = raw.get("train", raw)
+    for old, (new, values) in LEGACY_FIELDS.items():
+        if old in raw and new not in raw and raw[old] in values:
+            raw[new] = values[raw.pop(old)]
     return {k: coerce(k, v, f"{p}: ") for k, v in raw.items()}
 
 

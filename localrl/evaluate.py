@@ -26,49 +26,61 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
 
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: list[float],
-             max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Greedy pass@1 over ``rows``; ``progress(done, total)`` is called before and after each batch."""
+             max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None,
+             system: str | None = None, samples: int = 0) -> dict:
+    """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)``
+    is called before and after each batch. With ``samples``, the first few completions come back too,
+    each with its prompt, reference answer and rewards, so a user can see why a model scores as it does."""
     was_training = model.training
     model.eval()
     stops = stop_token_ids(tok, model)
-    correct, total = [], []
+    correct, total, shown = [], [], []
     for i in range(0, len(rows), batch_size):
         if progress is not None:
             progress(i, len(rows))
         chunk = rows[i:i + batch_size]
-        rollout = sample_groups(model, encode_prompts(tok, chunk), 1, max_new_tokens, stops,
+        rollout = sample_groups(model, encode_prompts(tok, chunk, system), 1, max_new_tokens, stops,
                                 tok.pad_token_id, temperature=0.0)
-        scores = score(rewards, decode_completions(tok, rollout), columns_of(chunk))
+        texts = decode_completions(tok, rollout)
+        scores = score(rewards, texts, columns_of(chunk))
         correct += [float(s == 1.0) for s in scores[0]]
         total += combine(scores, weights)
+        for row, text, *each in zip(chunk, texts, *scores):
+            if len(shown) < samples:
+                shown.append({"prompt": row["prompt"], "answer": row["answer"], "completion": text,
+                              "rewards": {getattr(fn, "__name__", f"reward{i}"): round(x, 4)
+                                          for i, (fn, x) in enumerate(zip(rewards, each))}})
     if progress is not None:
         progress(len(rows), len(rows))
     model.train(was_training)
     n = len(rows)
-    return {"accuracy": sum(correct) / max(n, 1), "reward_mean": sum(total) / max(n, 1), "n": n}
+    out = {"accuracy": sum(correct) / max(n, 1), "reward_mean": sum(total) / max(n, 1), "n": n}
+    return {**out, "samples": shown} if samples else out
 
 
 def evaluate_policy(cfg, run: str | Path | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
+                    progress: Callable[[int, int], None] | None = None, samples: int = 3) -> dict:
     """Held-out greedy accuracy of a run's newest adapter (``run``) or of ``cfg.model`` on ``cfg``'s
-    task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n"}."""
-    from localrl.modeling import load_base, load_config, load_tokenizer, pick_device
+    task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}."""
+    from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.rewards import default_rewards
     from localrl.runs import Run
-    from localrl.tasks import load_task
+    from localrl.tasks import load_task, system_prompt
 
     cfg.validate()
     rewards, weights = default_rewards(cfg.reward, cfg.format_weight)
-    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size)
+    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
     if not task.held_out:
         raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
                         f"pass --eval-size N)", field="eval_size")
     device = pick_device(cfg.device)
+    in_4bit = default_4bit(cfg.quantize, device)
     if run is not None:
-        model, tok, ckpt = Run.open(run).load_adapter(device, cfg.load_in_4bit, cfg)
+        model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)
         what = f"{run} ({ckpt.name})"
     else:
         path, _ = load_config(cfg.model)
-        model, tok, what = load_base(path, cfg.load_in_4bit, device), load_tokenizer(path), cfg.model
-    result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size, progress)
+        model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model
+    result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size, progress,
+                      task.system, samples)
     return {"model": what, **result}

@@ -168,7 +168,14 @@ def plan_step(shape: ModelShape, prompts: int, group: int, prompt_len: int, comp
 def read_shape(model: str) -> ModelShape:
     """The shape of a model from its config.json (a directory, a config.json path, or a built-in name)."""
     from localrl.modeling import resolve_model
+    from localrl.quant.gguf_import import gguf_path, is_gguf_source
+    from localrl.quant.gguf_info import read_gguf_info
 
+    if is_gguf_source(model):  # the header has the sizes: no conversion needed to plan
+        try:
+            return ModelShape.from_config(read_gguf_info(gguf_path(model)).sizes)
+        except (TypeError, KeyError):
+            raise UserError(f"model {model!r}: the GGUF header lacks the sizes a planner needs") from None
     p = Path(model)
     path = p if p.is_file() else Path(resolve_model(model)) / "config.json"
     if not path.is_file():
@@ -187,15 +194,15 @@ def read_shape(model: str) -> ModelShape:
 class MemoryBudget:
     """A run's budget: checked once for the longest prompt up front, then planned per step."""
 
-    def __init__(self, shape: ModelShape, cfg, dtype_bytes: int):
-        self.shape, self.cfg, self.dtype_bytes = shape, cfg, dtype_bytes
+    def __init__(self, shape: ModelShape, cfg, dtype_bytes: int, in_4bit: bool):
+        self.shape, self.cfg, self.dtype_bytes, self.in_4bit = shape, cfg, dtype_bytes, in_4bit
         self.bytes = parse_bytes(cfg.memory_budget)
         self._checkpointing = False
 
     @classmethod
-    def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device) -> "MemoryBudget":
+    def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool) -> "MemoryBudget":
         """Check the budget against the longest prompt (from the tokenizer alone), before any weights load."""
-        budget = cls(shape, cfg, 2 if device.type == "cuda" else 4)
+        budget = cls(shape, cfg, _dtype_bytes(device), in_4bit)
         plan = budget.plan(longest_prompt, cfg.max_new_tokens)
         if not plan.fits:
             raise UserError(f"config field memory_budget: {cfg.memory_budget} cannot hold a step with "
@@ -207,7 +214,7 @@ class MemoryBudget:
     def plan(self, prompt_len: int, completion_len: int) -> Plan:
         c = self.cfg
         return plan_step(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, self.bytes,
-                         c.lora_rank, c.load_in_4bit, self.dtype_bytes)
+                         c.lora_rank, self.in_4bit, self.dtype_bytes)
 
     def enable_checkpointing(self, model) -> None:
         if not self._checkpointing:
@@ -215,6 +222,10 @@ class MemoryBudget:
 
             enable_checkpointing(model)
             self._checkpointing = True
+
+
+def _dtype_bytes(device) -> int:
+    return 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on a CPU
 
 
 def available_bytes(device) -> int | None:
@@ -238,27 +249,52 @@ def rollout_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_len:
     return int(kv + 3 * rows * shape.vocab * 4)
 
 
-def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, plan: Plan | None = None) -> None:
-    """Refuse, before the run starts, a step predicted to need more memory than the machine has free.
-
-    Without a memory budget the step runs as configured (``micro_batch_size``, 1024-token
-    logits chunks); with one, as ``plan``. Either way sampling must hold every row's cache.
-    """
-    free = available_bytes(device)
-    if free is None:
-        return
-    rows = cfg.prompts_per_step * cfg.group_size
-    b = 2 if device.type == "cuda" else 4
+def step_need(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool,
+              plan: Plan | None = None) -> tuple[int, str]:
+    """(predicted peak bytes of a step, which part decides it): without a memory budget the step runs as
+    configured (``micro_batch_size``, 1024-token logits chunks), with one as ``plan``; either way
+    sampling must hold every row's cache."""
+    rows, b = cfg.prompts_per_step * cfg.group_size, _dtype_bytes(device)
     if plan is None:
         mb = min(cfg.micro_batch_size or rows, rows)
         train = sum(predict_peak(shape, cfg.prompts_per_step, cfg.group_size, prompt_len, cfg.max_new_tokens, mb,
-                                 CHUNK_CHOICES[0], False, cfg.lora_rank, cfg.load_in_4bit, b).values())
+                                 CHUNK_CHOICES[0], False, cfg.lora_rank, in_4bit, b).values())
     else:
         train = plan.peak_bytes
     sample = rollout_bytes(shape, rows, prompt_len, cfg.max_new_tokens, b)
-    need = max(train, sample)
+    return (sample, "sampling") if sample >= train else (train, "the training step")
+
+
+def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device) -> tuple[bool, str]:
+    """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
+    GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
+    decode step there (measured 11.7x slower sampling), unless only NF4 fits the budget or free memory."""
+    if cfg.quantize != "auto":
+        return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
+    if device.type == "cuda":
+        return True, "4-bit NF4 base (QLoRA): a GPU, where it saves memory for little speed"
+    if cfg.memory_budget:
+        budget = parse_bytes(cfg.memory_budget)
+        full = plan_step(shape, cfg.prompts_per_step, cfg.group_size, prompt_len, cfg.max_new_tokens, budget,
+                         cfg.lora_rank, False, _dtype_bytes(device))
+        if not full.fits:
+            return True, (f"4-bit NF4 base: a CPU, but only a 4-bit base fits the {cfg.memory_budget} budget "
+                          f"(full precision needs {full.peak_bytes / GIB:.2f} GiB)")
+    free = available_bytes(device)
+    need, _ = step_need(cfg, shape, prompt_len, device, False)
+    if free is not None and need > free and step_need(cfg, shape, prompt_len, device, True)[0] <= free:
+        return True, (f"4-bit NF4 base: a CPU, but full precision needs {need / GIB:.1f} GiB and "
+                      f"{free / GIB:.1f} GiB is free")
+    return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (~12x slower)"
+
+
+def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool, plan: Plan | None = None) -> None:
+    """Refuse, before the run starts, a step predicted to need more memory than the machine has free."""
+    free = available_bytes(device)
+    if free is None:
+        return
+    need, what = step_need(cfg, shape, prompt_len, device, in_4bit, plan)
     if need > free:
-        what = "sampling" if sample >= train else "the training step"
         raise UserError(f"config: {cfg.prompts_per_step} prompts x group_size {cfg.group_size} with prompts of "
                         f"{prompt_len} tokens needs about {need / GIB:.1f} GiB for {what}, more than the "
                         f"{free / GIB:.1f} GiB free; lower group_size or prompts_per_step"

@@ -1,8 +1,9 @@
 """The metrics sink: the one narrow channel from training to everything that watches it.
 
 Each record is a flat dict; ``kind`` is "train" (one per optimizer step), "eval" (held-out
-accuracy before and after), "checkpoint" (a checkpoint was saved) or "status" (what the run is
-doing before its first step: loading, evaluating, with ``done``/``total`` progress). The
+accuracy before and after), "checkpoint" (a checkpoint was saved), "warning" (the run is not
+learning, and the likely cause) or "status" (what the run is doing before its first step:
+loading, evaluating, with ``done``/``total`` progress). The
 sink appends it to the run's metrics file (JSON lines, flushed per line, so ``tail -f``, the terminal UI
 or a plotting script can follow a live run) and calls in-process listeners, such as the
 CLI's progress bar.

@@ -3,9 +3,11 @@
 NF4 with double quantisation, as in QLoRA: 4-bit normal-float codes in blocks of 64 with
 quantised block scales, dequantised to the compute dtype at every forward.
 
-A model is named by a built-in name, a local Hugging Face directory, or a hub id. The
-name is resolved and its config checked (architecture, files) before any weight is read,
-so a wrong name costs one clear line, not a traceback after a long load.
+A model is named by a built-in name, a local Hugging Face directory, a GGUF file or an
+Ollama model (``ollama:NAME[:TAG]``; both converted once to a cached directory by
+quant/gguf_import.py), or a hub id. The name is resolved and its config checked
+(architecture, files) before any weight is read, so a wrong name costs one clear line, not a
+traceback after a long load.
 
 Deliberate simplifications: one device (CPU or one CUDA GPU); on the CPU everything
 computes in float32, on a GPU the 4-bit layers compute in bfloat16 while the LoRA weights
@@ -28,8 +30,13 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def resolve_model(name: str) -> str:
-    """A local directory for built-in names and paths, or the hub id unchanged."""
+def resolve_model(name: str, log=print) -> str:
+    """A local directory for built-in names, paths and GGUF files (converted once, cached), or the hub id
+    unchanged."""
+    from localrl.quant.gguf_import import is_gguf_source, model_dir
+
+    if is_gguf_source(name):
+        return str(model_dir(name, log))
     builtin = builtin_path(name)
     if builtin is not None:
         if not (builtin / "config.json").is_file():
@@ -233,19 +240,27 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def default_4bit(quantize: str, device: torch.device) -> bool:
+    """``quantize`` as a yes/no without the memory planner: "auto" is NF4 on a GPU, full precision on a CPU."""
+    return quantize == "nf4" or (quantize == "auto" and device.type == "cuda")
+
+
 def lora_targets(spec: str) -> str | list[str]:
     return "all-linear" if spec == "all-linear" else [s.strip() for s in spec.split(",") if s.strip()]
 
 
-def load_policy(cfg, device: torch.device):
-    """(model with fresh trainable LoRA adapters, tokenizer) for a TrainConfig."""
+def load_policy(cfg, device: torch.device, in_4bit: bool | None = None):
+    """(model with fresh trainable LoRA adapters, tokenizer) for a TrainConfig; the base in 4-bit NF4 when
+    ``in_4bit`` (default: as ``quantize`` says, "auto" meaning on a GPU; the trainer decides "auto" with
+    the memory planner, memory.choose_4bit)."""
+    in_4bit = default_4bit(cfg.quantize, device) if in_4bit is None else in_4bit
     path, _ = load_config(cfg.model)
     if cfg.unsloth:
-        return _load_unsloth(path, cfg, device)
+        return _load_unsloth(path, cfg, device, in_4bit)
     from peft import LoraConfig, get_peft_model
 
     tok = load_tokenizer(path)
-    base = load_base(path, cfg.load_in_4bit, device)
+    base = load_base(path, in_4bit, device)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=lora_targets(cfg.lora_targets), task_type="CAUSAL_LM")
     try:
@@ -255,7 +270,7 @@ def load_policy(cfg, device: torch.device):
     return model, tok
 
 
-def _load_unsloth(path: str, cfg, device: torch.device):
+def _load_unsloth(path: str, cfg, device: torch.device, in_4bit: bool):
     if device.type != "cuda":
         raise UserError("config field unsloth: Unsloth needs a CUDA GPU", field="unsloth")
     try:
@@ -264,7 +279,7 @@ def _load_unsloth(path: str, cfg, device: torch.device):
         raise UserError("config field unsloth: Unsloth is not installed (pip install 'localrl[unsloth]')",
                         field="unsloth") from None
     os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    model, tok = FastLanguageModel.from_pretrained(path, load_in_4bit=cfg.load_in_4bit, max_seq_length=4096)
+    model, tok = FastLanguageModel.from_pretrained(path, load_in_4bit=in_4bit, max_seq_length=4096)
     targets = LINEAR_MODULES if cfg.lora_targets == "all-linear" else lora_targets(cfg.lora_targets)
     model = FastLanguageModel.get_peft_model(model, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                              lora_dropout=cfg.lora_dropout, target_modules=targets,

@@ -5,8 +5,11 @@ row (``answer`` and any extras) arrives as a keyword argument holding one value 
 completion. Add your own reward by writing such a function and naming it
 ``package.module:function`` in the config, or by passing it to ``localrl.train``.
 
-The answer a model gives is the text inside its last ``<answer>...</answer>``; a
-completion without one gets no credit.
+The answer a model gives is read the way models write it: the text inside its last
+``<answer>...</answer>`` when there is one, else its final line (for numbers: the last
+number in the completion). Whether the completion has the ``<think>/<answer>`` format is
+a separate reward (``format``), added with its own weight, so a real model that answers
+right in prose scores for being right and learns the format from the small bonus.
 """
 
 from __future__ import annotations
@@ -21,14 +24,32 @@ from localrl.errors import UserError
 RewardFn = Callable[..., list[float]]
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_LEAD = re.compile(r"^(?:\**\s*(?:final\s+)?answer\s*\**\s*[:=]\s*)", re.IGNORECASE)
 
 
 def extract_answer(text: str) -> str | None:
     """The content of the last ``<answer>`` tag, stripped; None if there is none."""
     found = _ANSWER.findall(text)
     return found[-1].strip() if found else None
+
+
+def final_line(text: str) -> str:
+    """The last non-empty line outside any ``<think>`` section, without an "Answer:" lead-in."""
+    lines = [line.strip() for line in _THINK.sub("", text).splitlines() if line.strip()]
+    return _LEAD.sub("", lines[-1]).strip() if lines else ""
+
+
+def given_answer(text: str) -> str:
+    """What a completion answers: its tagged answer, else its final line."""
+    tagged = extract_answer(text)
+    return tagged if tagged is not None else final_line(text)
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().rstrip(".!").split()).casefold()
 
 
 def _to_number(text: str) -> float | None:
@@ -42,27 +63,32 @@ def _to_number(text: str) -> float | None:
 
 
 def numeric_match(completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 where the first number in the answer tag equals the reference number."""
+    """1.0 where the answer's number equals the reference number: the first number in the answer tag,
+    or without a tag the last number in the completion ("457 + 68 = 525" answers 525)."""
     out = []
     for text, ref in zip(completions, answer):
-        given = extract_answer(text)
-        got, want = (_to_number(given) if given is not None else None), _to_number(str(ref))
+        tagged = extract_answer(text)
+        if tagged is not None:
+            got = _to_number(tagged)
+        else:
+            numbers = _NUMBER.findall(_THINK.sub("", text))
+            got = _to_number(numbers[-1]) if numbers else None
+        want = _to_number(str(ref))
         out.append(float(got is not None and want is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)))
     return out
 
 
 def exact_match(completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 where the answer tag's content equals the reference string (surrounding spaces ignored)."""
-    return [float(extract_answer(t) == str(ref).strip()) for t, ref in zip(completions, answer)]
+    """1.0 where the answer (tagged, else the final line) equals the reference, ignoring case, spacing
+    and a final period."""
+    return [float(_normalise(given_answer(t)) == _normalise(str(ref))) for t, ref in zip(completions, answer)]
 
 
 def regex_match(completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 where the answer tag's content fully matches the row's ``answer``, read as a regular expression."""
-    out = []
-    for text, pattern in zip(completions, answer):
-        given = extract_answer(text)
-        out.append(float(given is not None and re.fullmatch(str(pattern), given) is not None))
-    return out
+    """1.0 where the answer (tagged, else the final line) fully matches the row's ``answer``, read as a
+    regular expression."""
+    return [float(re.fullmatch(str(pattern), given_answer(text)) is not None)
+            for text, pattern in zip(completions, answer)]
 
 
 def format_reward(completions: list[str], **_) -> list[float]:

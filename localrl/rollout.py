@@ -84,12 +84,15 @@ def sample_groups(
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, (~done).cpu(), group_size)
 
 
-def encode_prompts(tok, rows: list[dict]) -> list[list[int]]:
-    """Token ids of each row's prompt, through the chat template when the tokenizer has one."""
+def encode_prompts(tok, rows: list[dict], system: str | None = None) -> list[list[int]]:
+    """Token ids of each row's prompt, through the chat template when the tokenizer has one; with
+    ``system``, a system message comes first (unless the row's messages bring their own)."""
     out = []
     for row in rows:
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
         if tok.chat_template:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             out.append(tok(text, add_special_tokens=False)["input_ids"])

@@ -247,7 +247,7 @@ class Run:
 
     # -- the trained policy ---------------------------------------------------------------
 
-    def load_adapter(self, device: torch.device, load_in_4bit: bool | None = None, cfg: TrainConfig | None = None):
+    def load_adapter(self, device: torch.device, in_4bit: bool, cfg: TrainConfig | None = None):
         """(base + the newest checkpoint's adapter, tokenizer, checkpoint): the run's policy."""
         from peft import PeftModel
 
@@ -257,7 +257,7 @@ class Run:
         ckpt = self._require_checkpoint()
         path, _ = load_config(cfg.model)
         tok = load_tokenizer(path)
-        base = load_base(path, cfg.load_in_4bit if load_in_4bit is None else load_in_4bit, device)
+        base = load_base(path, in_4bit, device)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt))
         except Exception as e:  # a damaged adapter: one line, not a traceback

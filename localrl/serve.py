@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from localrl.errors import UserError
 from localrl.quant.gguf_info import read_gguf_info
+from localrl.quant.runtime import require_llama_cpp_server
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -338,13 +339,10 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     # beyond the training context a small model answers garbage with status 200; within it, llama.cpp's own
     # check turns a longer prompt into a 400
     n_ctx = n_ctx or trained or DEFAULT_N_CTX
-    try:
-        import uvicorn
-        from llama_cpp.server import app as server_app
-        from llama_cpp.server.settings import ModelSettings, ServerSettings
-    except ImportError:
-        missing = "serve: llama-cpp-python's server extras are missing (pip install 'llama-cpp-python[server]')"
-        raise UserError(missing) from None
+    server_app = require_llama_cpp_server("serve")
+    import uvicorn
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
     sock = _bound_socket(host, port)  # before the model loads, and kept, so the port cannot be taken meanwhile
     try:
         server = ServerSettings(host=host, port=port, api_key=api_key or None)

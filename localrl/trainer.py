@@ -33,14 +33,14 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.losses import grpo_loss, group_advantages
-from localrl.memory import MemoryBudget, ModelShape, check_step_fits
+from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, score
 from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
 from localrl.runs import Run, base_fingerprint
-from localrl.tasks import Task, load_task
+from localrl.tasks import Task, load_task, system_prompt
 
 
 @dataclass
@@ -126,6 +126,8 @@ class Preflight:
     device: torch.device
     budget: MemoryBudget | None
     longest_prompt: int  # tokens, through the chat template
+    in_4bit: bool  # the base in 4-bit NF4 (quantize, with "auto" decided for this machine)
+    why_4bit: str  # the choice in words, for the run's first lines
 
 
 def preflight(cfg: TrainConfig) -> Preflight:
@@ -141,6 +143,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
     if context and cfg.max_new_tokens >= context:
         raise UserError(f"config field max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the "
                         f"model's context of {context} tokens", field="max_new_tokens")
+    system = system_prompt(cfg.system_prompt, cfg.model)
     longest = 0
     widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
 
@@ -148,22 +151,23 @@ def preflight(cfg: TrainConfig) -> Preflight:
         nonlocal longest
         room = context - cfg.max_new_tokens if context else None
         prompt = row["prompt"]
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        chars = (len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)) + len(system or "")
         at_least = chars // widest_token  # a bound that needs no tokenising (a 10 MB line takes half a minute)
         bounded = room is not None and at_least > room
-        n = at_least if bounded else len(encode_prompts(tok, [row])[0])
+        n = at_least if bounded else len(encode_prompts(tok, [row], system)[0])
         longest = max(longest, n)
         if room is not None and n > room:
             raise UserError(f"{where}: the prompt is {'at least ' if bounded else ''}{n} tokens; with "
                             f"max_new_tokens {cfg.max_new_tokens} it does not fit the model's context of {context} "
                             f"tokens (shorten it or lower max_new_tokens)", field="data")
 
-    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits)
+    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system)
     device = pick_device(cfg.device)
     shape = ModelShape.from_config(config)
-    budget = MemoryBudget.for_run(cfg, shape, longest, device) if cfg.memory_budget else None
-    check_step_fits(cfg, shape, longest, device, budget.plan(longest, cfg.max_new_tokens) if budget else None)
-    return Preflight(task, device, budget, longest)
+    in_4bit, why = choose_4bit(cfg, shape, longest, device)
+    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit) if cfg.memory_budget else None
+    check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
+    return Preflight(task, device, budget, longest, in_4bit, why)
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
@@ -194,10 +198,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     sink = MetricsSink(None if resume else run.metrics_path, listeners)
     started = False  # the config is written: from here on the run can be resumed
     try:
-        precision = "4-bit NF4" if cfg.load_in_4bit else "full precision"
-        sink.emit(_status("load", f"loading {cfg.model} ({precision}, {device.type})"))
+        sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}"))
         torch.manual_seed(cfg.seed)
-        model, tok = load_policy(cfg, device)
+        model, tok = load_policy(cfg, device, pre.in_4bit)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         run.remove_leftovers()
@@ -227,7 +230,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                            **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "before")}
             sink.emit(eval_before)
 
-        interrupted, done, t_run = False, start, time.time()
+        interrupted, done, t_run, flat_steps = False, start, time.time(), 0
         wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
@@ -242,6 +245,11 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                                     f"{run.path} continues from the last checkpoint") from None
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
+                flat_steps = flat_steps + 1 if record["frac_reward_zero_std"] == 1 else 0
+                if flat_steps == FLAT_STEPS_WARNING:
+                    warning = {"kind": "warning", "step": step + 1, "message": no_signal_message(record, flat_steps)}
+                    sink.emit(warning)
+                    log(f"warning: {warning['message']}")
                 done = step + 1
                 if stop_flag.requested or done % cfg.save_every == 0 or done == cfg.steps:
                     run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints)
@@ -260,13 +268,30 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     return RunResult(run.path, done, interrupted, eval_before, eval_after)
 
 
+FLAT_STEPS_WARNING = 3  # consecutive steps without a learning signal before the run says so
+
+
+def no_signal_message(record: dict, steps: int) -> str:
+    """Why a run is not learning, when every group's completions scored alike for ``steps`` steps."""
+    reward = record["reward_mean"]
+    if reward == 0:
+        cause = ("every completion scored 0: the model may never give an answer the reward can read "
+                 "(check the answer format and system_prompt, the reward, and `localrl eval` samples)")
+    else:
+        cause = (f"every completion in each group scored the same ({reward:.3g} on average): the task may be "
+                 "too easy or too hard for this model, or sampling too cold (temperature)")
+    if record["truncated"] > 0.5:
+        cause += f"; {record['truncated']:.0%} of completions hit max_new_tokens, so raise it"
+    return f"no learning signal for {steps} steps: {cause}"
+
+
 def _evaluate(model, tok, task: Task, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str) -> dict:
     """Held-out evaluation with a status record per batch, so watchers see its progress."""
     def progress(done: int, total: int) -> None:
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
     return evaluate(model, tok, task.held_out, reward_fns, weights, cfg.max_new_tokens, cfg.eval_batch_size,
-                    progress=progress)
+                    progress=progress, system=task.system)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
@@ -287,12 +312,13 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
     model.eval()
-    rollout = sample_groups(model, encode_prompts(tok, rows), cfg.group_size, cfg.max_new_tokens, stops,
+    rollout = sample_groups(model, encode_prompts(tok, rows, task.system), cfg.group_size, cfg.max_new_tokens, stops,
                             tok.pad_token_id, cfg.temperature, generator)
     t_gen = time.time() - t0
     scores = score(reward_fns, decode_completions(tok, rollout), columns_of(rows, cfg.group_size))
     rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
     advantages = group_advantages(rewards, cfg.group_size).float()
+    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     model.train()
     micro_batch, logits_chunk = cfg.micro_batch_size, 1024
     if budget is not None:  # re-plan for this batch's real lengths; refuse before running if it cannot fit
@@ -317,6 +343,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig,
         "clip_frac": stats["clip_frac"],
         "completion_len": gen_tokens / rollout.completion_ids.size(0),
         "truncated": rollout.truncated.float().mean().item(),
+        "frac_reward_zero_std": flat_groups,  # groups whose completions all scored alike: nothing to learn
         "tokens_per_s": gen_tokens / max(elapsed, 1e-9),
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),

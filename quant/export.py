@@ -12,15 +12,18 @@ kept. Temporary files a killed export left are removed on the next export to tha
 
 from __future__ import annotations
 
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from localrl.errors import UserError
 from localrl.quant.gguf_check import CheckReport, check_gguf
-from localrl.quant.gguf_writer import (K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize, vocab_kind,
-                                       write_gguf)
+from localrl.quant.gguf_writer import (K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize,
+                                       pre_tokenizer_guess, vocab_kind, write_gguf)
+from localrl.quant.pretokenizers import choose_pre_tokenizer
 from localrl.quant.modelfile import modelfile_path, write_modelfile
+from localrl.quant.runtime import require_llama_cpp
 
 
 @dataclass
@@ -66,6 +69,26 @@ def check_output(out: str | Path, quant: str) -> Path:
     return out
 
 
+def pre_tokenizer(config, tok, tok_dir: Path, log=print) -> str | None:
+    """The llama.cpp pre-tokenizer name for a byte-level BPE vocabulary, chosen by behaviour where
+    llama.cpp is installed (None: the writer's guess from the split pattern, or no pre-tokenizer)."""
+    if vocab_kind(tok) != "gpt2":
+        return None
+    guess = pre_tokenizer_guess(tok)
+    try:
+        require_llama_cpp("")
+    except UserError:
+        log(f"pre-tokenizer {guess!r} recognised from the split pattern (llama.cpp is not installed to confirm it)")
+        return guess
+    with tempfile.TemporaryDirectory() as tmp:
+        name = choose_pre_tokenizer(tok, guess, lambda n, p: write_gguf({}, config, tok_dir, tok, p, "f32", n),
+                                    Path(tmp))
+    if name != guess:
+        log(f"pre-tokenizer {name!r}: llama.cpp splits text as the tokenizer does only under this name "
+            f"(the split pattern suggested {guess!r})")
+    return name
+
+
 def remove_leftovers(out: Path) -> None:
     """Delete the temporary files of earlier exports to ``out`` that were killed midway."""
     names = (out.name, modelfile_path(out).name)
@@ -78,20 +101,23 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     from localrl.runs import load_merged
 
     out = check_output(out, quant)
+    if check or quant in K_QUANT_TYPES:  # before any weights load
+        require_llama_cpp("validating a GGUF (--no-check skips it)" if check else f"export to {quant}")
     remove_leftovers(out)
     model, tok, tok_dir, what = load_merged(source, check=check_exportable)
     log(f"exporting {what}")
+    pre = pre_tokenizer(model.config, tok, tok_dir, log)
     tmp = out.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{out.name}")
     try:
         if quant in K_QUANT_TYPES:  # llama.cpp's quantizer, from an f16 file written first
             f16 = out.with_name(f".tmp-f16-{uuid.uuid4().hex[:8]}-{out.name}")
             try:
-                write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16")
+                write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16", pre)
                 llama_cpp_quantize(f16, tmp, quant)
             finally:
                 f16.unlink(missing_ok=True)
         else:
-            write_gguf(model.state_dict(), model.config, tok_dir, tok, tmp, quant)
+            write_gguf(model.state_dict(), model.config, tok_dir, tok, tmp, quant, pre)
         report = check_gguf(tmp, model, tok, quant) if check else None
         if report is not None and not report.passed:
             log(f"not written: {out} failed validation in llama.cpp (--no-check writes it anyway)")

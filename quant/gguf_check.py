@@ -83,7 +83,9 @@ def _llama_greedy(llm, ids: list[int], n: int) -> list[int]:
 
 def check_gguf(path: Path, model, tok, quant: str, greedy_tokens: int = 12) -> CheckReport:
     """Compare the GGUF at ``path`` with ``model`` (torch, full precision, eval mode)."""
-    from llama_cpp import Llama
+    from localrl.quant.runtime import require_llama_cpp
+
+    Llama = require_llama_cpp("validating a GGUF (--no-check skips it)").Llama
 
     model.eval()
     prompts = sample_prompts(tok)

@@ -18,6 +18,7 @@ class GGUFInfo:
     path: Path
     architecture: str
     context_length: int | None  # the training context (``{arch}.context_length``), if the file says
+    sizes: dict  # Hugging Face config names -> values, for the memory planner (read from the header)
 
 
 def read_gguf_info(path: str | Path) -> GGUFInfo:
@@ -39,11 +40,28 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
         arch = str(reader.fields["general.architecture"].contents())
         ctx_field = reader.fields.get(f"{arch}.context_length")
+        sizes = _sizes(reader, arch)
     except Exception as e:  # gguf-py raises several kinds on damaged headers
         raise UserError(f"model {p}: damaged or truncated GGUF ({_first_line(e)})") from None
     if end > p.stat().st_size:
         raise UserError(f"model {p}: truncated GGUF ({p.stat().st_size} bytes, its tensors need {end})")
-    return GGUFInfo(p, arch, int(ctx_field.contents()) if ctx_field is not None else None)
+    return GGUFInfo(p, arch, int(ctx_field.contents()) if ctx_field is not None else None, sizes)
+
+
+def _sizes(reader, arch: str) -> dict:
+    """The model's sizes under their config.json names (absent keys are left out)."""
+    def get(key):
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.contents()) if field is not None else None
+
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    sizes = {"hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
+             "num_attention_heads": get("attention.head_count"),
+             "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
+             "intermediate_size": get("feed_forward_length"),
+             "vocab_size": get("vocab_size") or (len(tokens.data) if tokens is not None else None),
+             "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+    return {k: v for k, v in sizes.items() if v is not None}
 
 
 def _first_line(e: Exception) -> str:

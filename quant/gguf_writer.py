@@ -59,8 +59,9 @@ _PRE_BY_PATTERN = {
 
 def llama_cpp_quantize(src: Path, out: Path, quant: str) -> Path:
     """Quantize the GGUF ``src`` to K-quant ``quant`` at ``out`` (atomically) with llama.cpp."""
-    import llama_cpp
+    from localrl.quant.runtime import require_llama_cpp
 
+    llama_cpp = require_llama_cpp(f"export to {quant}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = K_QUANT_TYPES[quant]
     params.nthread = os.cpu_count() or 1
@@ -115,15 +116,18 @@ def _permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _pre_tokenizer(tokenizer_json: dict) -> str:
-    pre = tokenizer_json.get("pre_tokenizer") or {}
+def pre_tokenizer_guess(tok) -> str:
+    """The llama.cpp pre-tokenizer name recognised from the tokenizer's split pattern (a first guess,
+    which export checks against llama.cpp's behaviour: quant/pretokenizers.py)."""
+    pre = _tokenizer_json(tok).get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre])
     for part in parts:
         pattern = (part.get("pattern") or {}).get("Regex")
         if pattern in _PRE_BY_PATTERN:
             return _PRE_BY_PATTERN[pattern]
+    digits = any(p.get("type") == "Digits" and p.get("individual_digits") for p in parts)
     if any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
-        return "gpt-2"
+        return "smollm" if digits else "gpt-2"
     return "default"
 
 
@@ -183,7 +187,7 @@ def _adds_specials(tok) -> tuple[bool, bool]:
             tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id])
 
 
-def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
+def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int, pre: str | None = None) -> None:
     import gguf
 
     tokenizer_json = _tokenizer_json(tok)
@@ -209,7 +213,7 @@ def _add_vocab(writer, tokenizer_dir: Path, tok, vocab_size: int) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if kind == "gpt2":
-        writer.add_tokenizer_pre(_pre_tokenizer(tokenizer_json))
+        writer.add_tokenizer_pre(pre or pre_tokenizer_guess(tok))
     else:
         writer.add_token_scores(_spm_scores(tokens, tokenizer_json))
         writer.add_add_space_prefix(_adds_space_prefix(tokenizer_json))
@@ -237,8 +241,10 @@ def _tensor_data(name: str, w: np.ndarray, qtype):
 
 
 def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path, tok, out: Path,
-               quant: str = "f16") -> Path:
-    """Write ``state_dict`` (HF names, full precision) as GGUF at ``out`` (atomically)."""
+               quant: str = "f16", pre: str | None = None) -> Path:
+    """Write ``state_dict`` (HF names, full precision) as GGUF at ``out`` (atomically). ``pre`` names
+    the llama.cpp pre-tokenizer (default: recognised from the tokenizer's split pattern); an empty
+    ``state_dict`` writes a vocabulary-only file, which llama.cpp can load with ``vocab_only``."""
     import gguf
 
     check_architecture(config)
@@ -283,7 +289,7 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path,
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                               llama3_rope_factors(rope, head_dim))
         writer.add_file_type(gguf.LlamaFileType[file_type])
-        _add_vocab(writer, Path(tokenizer_dir), tok, config.vocab_size)
+        _add_vocab(writer, Path(tokenizer_dir), tok, config.vocab_size, pre)
 
         names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
         tied = bool(getattr(config, "tie_word_embeddings", False))

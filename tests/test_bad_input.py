@@ -322,3 +322,21 @@ def test_kill_9_while_loading_then_mid_run_resumes_like_an_uninterrupted_run(tmp
     reference = train(small(tmp_path / "ref", steps=6, save_every=1), **QUIET)
     assert train_records(run) == train_records(reference.run_dir)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_without_llama_cpp_training_and_plain_export_work_and_the_rest_says_how_to_get_it(
+        tmp_path, capsys, builtin_model, monkeypatch):
+    """llama-cpp-python is the ``llama`` extra: what needs it says so in one line, before any work."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
+    monkeypatch.chdir(tmp_path)
+    for args in (["export", builtin_model, "--out", "a.gguf"], ["export", builtin_model, "--out", "k.gguf",
+                                                                  "--quant", "q4_k_m"]):
+        assert "needs llama-cpp-python, which is not installed (pip install 'localrl[llama]')" in one_line(
+            capsys, *args)
+    code, _ = run_cli(capsys, "export", builtin_model, "--out", "plain.gguf", "--no-check")
+    assert code == 0 and (tmp_path / "plain.gguf").exists()
+    assert "pip install 'localrl[llama]'" in one_line(capsys, "serve", "plain.gguf")
+    assert "pip install 'localrl[llama]'" in one_line(capsys, "chat", "plain.gguf")
+    code, _ = run_cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--prompts-per-step", "2",
+                      "--group-size", "2", "--run-dir", "run")
+    assert code == 0

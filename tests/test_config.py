@@ -8,7 +8,7 @@ from localrl.errors import UserError
 
 def test_defaults_are_valid_and_documented():
     cfg = TrainConfig().validate()
-    assert cfg.model == "tiny-arith" and cfg.data == "arith" and cfg.load_in_4bit
+    assert cfg.model == "tiny-arith" and cfg.data == "arith" and cfg.quantize == "auto"
     text = to_toml(cfg)
     assert "group_size = 8  # completions sampled per prompt (G)" in text
 
@@ -17,7 +17,7 @@ def test_toml_then_overrides(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[train]\ngroup_size = 4\nlr = 1e-4\nmodel = "x/y"\nload_in_4bit = false\n')
     cfg = build_config(f, {"group_size": "6", "beta": "0"})
-    assert (cfg.group_size, cfg.lr, cfg.model, cfg.load_in_4bit, cfg.beta) == (6, 1e-4, "x/y", False, 0.0)
+    assert (cfg.group_size, cfg.lr, cfg.model, cfg.quantize, cfg.beta) == (6, 1e-4, "x/y", "none", 0.0)  # legacy key
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -33,7 +33,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("epsilon", "1.5", "config field epsilon"),
     ("device", "tpu", "config field device"),
     ("group_size", "eight", "config field group_size: expected int, got 'eight'"),
-    ("load_in_4bit", "maybe", "config field load_in_4bit: expected bool"),
+    ("quantize", "maybe", "config field quantize: must be auto, nf4 or none"),
 ])
 def test_invalid_values_name_the_field(field, value, message):
     with pytest.raises(UserError, match=message):

@@ -1,7 +1,8 @@
-"""Datasets: the built-in task's split and strict JSONL reading."""
+"""Datasets: the built-in tasks' splits, system prompts and strict JSONL reading."""
 
 import json
 import random
+import re
 
 import pytest
 
@@ -66,3 +67,38 @@ def test_empty_and_missing_datasets(tmp_path):
         load_task(str(f))
     with pytest.raises(UserError, match="no such file, and not a built-in task"):
         load_task(str(tmp_path / "nope.jsonl"))
+
+
+def test_word_problems_are_right_seeded_and_split():
+    from localrl.tasks import word_problems as wp
+
+    held = wp.held_out_problems(300)
+    assert held == wp.held_out_problems(300) and len(set(held)) == 300 and all(wp.is_held_out(p) for p in held)
+    train = wp.sample_problems(random.Random(5), 2000)
+    assert not set(held) & set(train) and {p.template for p in train} == set(range(wp.TEMPLATES))
+    for p in held + train:  # the question's numbers give the answer, every template
+        numbers = [int(x) for x in re.findall(r"\d+", p.question)]
+        a, b, *rest = numbers
+        want = {0: a + b, 1: a - b, 2: a * b, 3: a // b, 4: a * b - (rest[0] if rest else 0),
+                5: a + b - (rest[0] if rest else 0)}[p.template]
+        assert int(p.answer) == want and want >= 0, p.question
+        if p.template == 3:
+            assert a % b == 0  # shares come out even
+    task = load_task("words", eval_size=20)
+    assert len(task.held_out) == 20 and task.sample(3, 8, seed=1) == task.sample(3, 8, seed=1)
+
+
+def test_real_models_get_the_answer_format_as_a_system_message(builtin_model):
+    from localrl.modeling import load_tokenizer
+    from localrl.rollout import encode_prompts
+    from localrl.tasks import FORMAT_PROMPT, system_prompt
+
+    assert system_prompt("auto", "tiny-arith") is None  # the built-in model learned the format, no system turn
+    assert system_prompt("auto", "/models/SmolLM2") == FORMAT_PROMPT
+    assert system_prompt("none", "/models/SmolLM2") is None and system_prompt("Be brief.", "x") == "Be brief."
+    tok = load_tokenizer(str(builtin_model))
+    rows = [{"prompt": "What is 1 + 2?"}, {"prompt": [{"role": "system", "content": "own"},
+                                                      {"role": "user", "content": "Hi"}]}]
+    with_system, without = encode_prompts(tok, rows, "Use tags."), encode_prompts(tok, rows)
+    assert tok.decode(with_system[0]).startswith("<|im_start|>system\nUse tags.<|im_end|>")
+    assert with_system[1] == without[1]  # a row's own system message is kept, not doubled

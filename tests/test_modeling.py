@@ -18,8 +18,8 @@ from tests.helpers import distinct_chars
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_config_loads_in_4bit_with_lora_and_one_step_changes_the_adapter(tiny_models, tmp_path, arch):
-    cfg = TrainConfig(model=str(tiny_models[arch]), steps=1, prompts_per_step=2, group_size=4, max_new_tokens=8,
-                      eval_size=0, run_dir=str(tmp_path / "run")).validate()
+    cfg = TrainConfig(model=str(tiny_models[arch]), quantize="nf4", steps=1, prompts_per_step=2, group_size=4,
+                      max_new_tokens=8, eval_size=0, run_dir=str(tmp_path / "run")).validate()
     model, _ = load_policy(cfg, pick_device("cpu"))
     assert count_4bit_layers(model) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -35,7 +35,7 @@ def test_tiny_config_loads_in_4bit_with_lora_and_one_step_changes_the_adapter(ti
 
 def test_gradients_survive_a_sampling_pass(tiny_models):
     """bitsandbytes repacks 4-bit weights for CPU inference after an eval-mode pass; gradients must not change."""
-    cfg = TrainConfig(model=str(tiny_models["llama"])).validate()
+    cfg = TrainConfig(model=str(tiny_models["llama"]), quantize="nf4").validate()
 
     def lora_grads(sample_first: bool):
         torch.manual_seed(0)

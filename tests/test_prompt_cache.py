@@ -33,7 +33,7 @@ def randomise_lora(model):
 
 def lora_policy(model_dir, four_bit: bool = True):
     """A tiny model with LoRA whose B weights are non-zero, so gradients reach every adapter weight."""
-    cfg = TrainConfig(model=str(model_dir), load_in_4bit=four_bit).validate()
+    cfg = TrainConfig(model=str(model_dir), quantize="nf4" if four_bit else "none").validate()
     torch.manual_seed(0)
     model, tok = load_policy(cfg, pick_device("cpu"))
     randomise_lora(model)

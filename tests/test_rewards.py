@@ -13,12 +13,23 @@ def test_extract_answer_takes_the_last_tag():
 
 
 def test_numeric_match():
-    completions = ["<think>x</think><answer>1,025</answer>", "<answer>12.0</answer>", "<answer>13</answer>", "12"]
+    completions = ["<think>x</think><answer>1,025</answer>", "<answer>12.0</answer>", "<answer>13</answer>",
+                   "<answer>the sum</answer> 12"]
     assert numeric_match(completions, answer=[1025, "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_an_untagged_answer_is_read_as_a_real_model_writes_it():
+    # prose: the last number outside any thinking; a tag, when present, is what counts
+    assert numeric_match(["457 + 68 = 525", "<think>7+8=15</think>So it is 525.", "<think>525</think>no idea",
+                          "It is 143."], answer=[525, 525, 525, 525]) == [1.0, 1.0, 0.0, 0.0]
+    assert exact_match(["Let me see.\nAnswer: Paris.", "Paris", "The capital of France is Paris."],
+                       answer=["paris"] * 3) == [1.0, 1.0, 0.0]
+    assert regex_match(["Working...\nx=3", "x=3\nbut then x=33"], answer=[r"x=\d", r"x=\d"]) == [1.0, 0.0]
+
+
 def test_exact_and_regex_match():
-    assert exact_match(["<answer> Paris </answer>", "<answer>paris</answer>"], answer=["Paris", "Paris"]) == [1.0, 0.0]
+    assert exact_match(["<answer> Paris </answer>", "<answer>paris.</answer>", "<answer>Pariss</answer>"],
+                       answer=["Paris"] * 3) == [1.0, 1.0, 0.0]
     assert regex_match(["<answer>x=3</answer>", "<answer>x=33</answer>"], answer=[r"x=\d", r"x=\d"]) == [1.0, 0.0]
 
 

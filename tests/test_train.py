@@ -172,3 +172,27 @@ def test_a_saved_checkpoint_restores_the_trained_adapter_exactly(builtin_model, 
     state, restored_state = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
     assert state.keys() == restored_state.keys()
     assert all(torch.equal(state[k]["exp_avg"], restored_state[k]["exp_avg"]) for k in state)
+
+
+def test_a_run_without_a_learning_signal_says_so(builtin_model, tmp_path):
+    def never(completions, **_):
+        return [0.0] * len(completions)
+
+    lines = []
+    result = train(small(tmp_path / "run", steps=4, format_weight=0.0), rewards=([never], [1.0]), log=lines.append)
+    warnings = [r for r in read_metrics(Run(result.run_dir).metrics_path) if r["kind"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["step"] == 3  # once, after three flat steps
+    assert "no learning signal for 3 steps: every completion scored 0" in warnings[0]["message"]
+    assert any(line.startswith("warning: no learning signal") for line in lines)
+    assert all(r["frac_reward_zero_std"] == 1.0 for r in train_records(result.run_dir))
+
+
+def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
+    from localrl.config import TrainConfig
+    from localrl.evaluate import evaluate_policy
+
+    result = evaluate_policy(TrainConfig(eval_size=6, eval_batch_size=6).validate(), samples=2)
+    assert result["n"] == 6 and len(result["samples"]) == 2
+    sample = result["samples"][0]
+    assert sample["prompt"].startswith("What is") and "<answer>" in sample["completion"]
+    assert set(sample["rewards"]) == {"numeric_match", "format_reward"}

@@ -234,7 +234,9 @@ class TrainScreen(Screen):
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status = text
         status = self.query_one("#run-status", Static)
-        status.update(text + (f": {self.phase}" if self.phase else "") + self._eval_summary())
+        warnings = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "warning"]
+        warning = f"\nwarning at step {warnings[-1]['step']}: {warnings[-1]['message']}" if warnings else ""
+        status.update(text + (f": {self.phase}" if self.phase else "") + self._eval_summary() + warning)
         status.set_class(error, "-error")
 
     def _eval_summary(self) -> str:

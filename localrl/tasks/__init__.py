@@ -1,9 +1,14 @@
-"""Where prompts come from: the built-in addition task or a user's JSONL file.
+"""Where prompts come from: the built-in tasks (addition, word problems) or a user's JSONL file.
 
 A task hands out training rows for a step, deterministically from (seed, step), so a
 resumed run sees exactly the batches an uninterrupted one would, and a fixed held-out
 set for evaluation. A row is a dict with ``prompt`` (a string, or a list of chat
 messages), ``answer``, and any extra columns, which reach the reward functions.
+
+A task may carry a system prompt: the instruction stating the answer format the rewards
+read (``FORMAT_PROMPT``), so that a real instruct model, which has never seen the
+``<think>/<answer>`` format, knows it from the first step. It is given to the model,
+never added to the rows, so rewards see the prompts as the data has them.
 """
 
 from __future__ import annotations
@@ -13,13 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from localrl.config import BUILTIN_TASK
+from localrl.config import BUILTIN_TASKS
 from localrl.errors import UserError
-from localrl.tasks import arithmetic
+from localrl.models import builtin_path
+from localrl.tasks import arithmetic, word_problems
 from localrl.tasks.jsonl import read_jsonl
 
 Row = dict
 RowCheck = Callable[[dict, str], None]
+GENERATORS = {"arith": arithmetic, "words": word_problems}  # name -> module with sample/held_out_problems
+FORMAT_PROMPT = ("Think step by step inside <think> </think> tags, then give only the final answer inside "
+                 "<answer> </answer> tags. For example: <think>3 + 4 = 7, and 7 x 2 = 14</think><answer>14</answer>")
 
 
 @dataclass
@@ -27,12 +36,13 @@ class Task:
     name: str
     rows: list[Row] | None  # training rows of a file-backed task; None for a generated one
     held_out: list[Row]
+    system: str | None = None  # the system prompt every prompt of this task is given, if any
 
     def sample(self, step: int, n: int, seed: int) -> list[Row]:
         """The ``n`` training rows of ``step``: a pure function of (seed, step)."""
         if self.rows is None:
             rng = random.Random(seed * 1_000_003 + step)
-            return [{"prompt": p.question, "answer": p.answer} for p in arithmetic.sample_problems(rng, n)]
+            return [_row(p) for p in GENERATORS[self.name].sample_problems(rng, n)]
         # Walk seeded per-epoch permutations of the file, so a step's rows need no saved state.
         out = []
         for i in range(step * n, step * n + n):
@@ -43,28 +53,43 @@ class Task:
         return out
 
 
-def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: RowCheck | None = None) -> Task:
+def _row(problem) -> Row:
+    return {"prompt": problem.question, "answer": problem.answer}
+
+
+def system_prompt(setting: str, model: str) -> str | None:
+    """The system message a run gives the model (the config's ``system_prompt``): with "auto", the
+    answer-format instruction, unless the model is a built-in one, which learned the format in
+    pretraining and has never seen a system message."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return None if builtin_path(model) is not None else FORMAT_PROMPT
+    return setting
+
+
+def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: RowCheck | None = None,
+              system: str | None = None) -> Task:
     """Read and check a task's rows up front, before any model is loaded; ``check_row(row, where)``
     is called on every row with its ``file:line`` (or the task's name) and may raise UserError."""
-    if data == BUILTIN_TASK:
+    if data in GENERATORS:
         if eval_data:
-            return Task(data, None, read_jsonl(eval_data, check_row)[:eval_size])
-        held = [{"prompt": p.question, "answer": p.answer} for p in arithmetic.held_out_problems(eval_size)]
-        if check_row is not None:  # generated prompts differ only in their digits: the longest stands for all
-            longest = max(held or [{"prompt": arithmetic.Problem(9999, 9999).question, "answer": 0}],
-                          key=lambda r: len(r["prompt"]))
-            check_row(longest, f"task {data}")
-        return Task(data, None, held)
+            return Task(data, None, read_jsonl(eval_data, check_row)[:eval_size], system)
+        held = [_row(p) for p in GENERATORS[data].held_out_problems(eval_size)]
+        if check_row is not None:  # generated prompts differ only in names and digits: the longest stands for all
+            sample = held + [_row(p) for p in GENERATORS[data].sample_problems(random.Random(0), 64)]
+            check_row(max(sample, key=lambda r: len(r["prompt"])), f"task {data}")
+        return Task(data, None, held, system)
     if not Path(data).exists():
-        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {BUILTIN_TASK})",
+        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {', '.join(BUILTIN_TASKS)})",
                         field="data")
     rows = read_jsonl(data, check_row)
     if eval_data:
-        return Task(data, rows, read_jsonl(eval_data, check_row)[:eval_size])
+        return Task(data, rows, read_jsonl(eval_data, check_row)[:eval_size], system)
     # No held-out file: set aside a seeded tenth of the rows (at most eval_size), never trained on.
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)
     n_eval = min(eval_size, len(rows) // 10)
     held = set(order[:n_eval])
     train = [r for i, r in enumerate(rows) if i not in held]
-    return Task(data, train, [rows[i] for i in sorted(held)])
+    return Task(data, train, [rows[i] for i in sorted(held)], system)
