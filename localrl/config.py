@@ -53,6 +53,12 @@ class TrainConfig:
     group_size: int = _f(8, "completions sampled per prompt (G)")
     max_new_tokens: int = _f(64, "longest completion, in tokens")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
+    rollout: str = _f("auto", "who samples the completions: 'torch', 'llama.cpp' (batched, the adapter attached as "
+                              "a GGUF LoRA each step; needs the llama extra), or 'auto': llama.cpp on a CPU when "
+                              "installed, else torch")
+    rollout_is: str = _f("sequence_mask", "importance weights for completions llama.cpp sampled: token_truncate, "
+                                          "token_mask, sequence_truncate, sequence_mask (TRL's modes) or none")
+    rollout_is_cap: float = _f(3.0, "importance weight cap: larger weights are clipped (truncate) or zeroed (mask)")
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
     epsilon: float = _f(0.2, "clipping range of the policy ratio")
     beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
@@ -99,6 +105,10 @@ class TrainConfig:
             ("threads", self.threads >= 0, "must be non-negative"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("quantize", self.quantize in ("auto", "nf4", "none"), "must be auto, nf4 or none"),
+            ("rollout", self.rollout in ("auto", "torch", "llama.cpp"), "must be auto, torch or llama.cpp"),
+            ("rollout_is", self.rollout_is in ("none", "token_truncate", "token_mask", "sequence_truncate",
+                                               "sequence_mask"), "must be none or one of TRL's four modes"),
+            ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from localrl.errors import UserError
 from localrl.quant.runtime import quiet, require_llama_cpp
+
+
+@dataclass
+class Samples:
+    tokens: list[list[int]]  # per completion, prompt-major
+    logprobs: list[list[float]]  # the sampler's log-probability of each of those tokens
 
 
 class LlamaCppSampler:
@@ -71,8 +78,9 @@ class LlamaCppSampler:
             raise RuntimeError("llama.cpp refused the LoRA adapter")
 
     def sample_groups(self, prompts: list[list[int]], group_size: int, max_new_tokens: int, stop_ids: list[int],
-                      temperature: float = 1.0, seed: int = 0) -> list[list[int]]:
-        """``group_size`` completions (token ids, a stop token included) for each prompt, prompt-major."""
+                      temperature: float = 1.0, seed: int = 0) -> Samples:
+        """``group_size`` completions (token ids, a stop token included) for each prompt, prompt-major, with
+        the log-probability of each token under the sampler (at ``temperature``; 0 when greedy)."""
         lib, rows = self.lib, len(prompts) * group_size
         if rows > self.max_rows:
             raise ValueError(f"{rows} sequences, but the context was made for {self.max_rows}")
@@ -92,12 +100,15 @@ class LlamaCppSampler:
             logits = np.stack([self._logits(i) for i in last]).repeat(group_size, axis=0)  # [rows, V]
             positions = np.repeat([len(p) for p in prompts], group_size)
             out: list[list[int]] = [[] for _ in range(rows)]
+            logps: list[list[float]] = [[] for _ in range(rows)]
             live = np.ones(rows, dtype=bool)
             stops = set(stop_ids)
             for step in range(max_new_tokens):
                 tokens = _sample(logits, temperature, rng)
+                token_logps = _logprobs(logits, tokens, temperature)
                 for r in np.flatnonzero(live):
                     out[r].append(int(tokens[r]))
+                    logps[r].append(float(token_logps[r]))
                     if tokens[r] in stops:
                         live[r] = False
                 if not live.any() or step == max_new_tokens - 1:
@@ -106,7 +117,7 @@ class LlamaCppSampler:
                 self._decode(batch, [(int(tokens[r]), int(positions[r]), (int(r),), True) for r in order])
                 positions[order] += 1
                 logits[order] = np.stack([self._logits(i) for i in range(len(order))])
-            return out
+            return Samples(out, logps)
         finally:
             lib.llama_batch_free(batch)
 
@@ -137,8 +148,73 @@ class LlamaCppSampler:
                 self.model = None
 
 
+def _logprobs(logits: np.ndarray, tokens: np.ndarray, temperature: float) -> np.ndarray:
+    """log softmax(logits / T) at ``tokens``, per row (0 when greedy)."""  # [rows, V], [rows] -> [rows]
+    if temperature <= 0:
+        return np.zeros(len(tokens))
+    z = logits.astype(np.float64) / temperature
+    top = z.max(-1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(z - top).sum(-1))
+    return z[np.arange(len(tokens)), tokens] - lse
+
+
 def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
     """One token per row: greedy at temperature 0, else Gumbel-max (an exact draw from softmax(logits / T))."""
     if temperature <= 0:
         return logits.argmax(-1)
     return (logits / temperature + rng.gumbel(size=logits.shape)).argmax(-1)
+
+
+class LlamaCppRollout:
+    """The llama.cpp rollout backend of a training run: the base written once as an f16 GGUF, the policy's
+    LoRA adapter written as a GGUF adapter and attached before every step's sampling (no merge, no reload).
+
+    ``sample`` returns the same ``Rollout`` the torch sampler does, plus the sampler's log-probability of
+    every completion token, for the importance weights that correct the gap between the f16 llama.cpp
+    sampler and the torch policy being trained.
+    """
+
+    def __init__(self, base_path: str, tok, max_rows: int, max_tokens: int, log=print):
+        import tempfile
+
+        from localrl.modeling import load_full
+        from localrl.quant.gguf_writer import write_gguf
+
+        self.dir = tempfile.TemporaryDirectory(prefix="localrl-rollout-")
+        base = load_full(base_path)
+        self.config = base.config
+        gguf = Path(self.dir.name) / "base-f16.gguf"
+        log(f"writing the base as {gguf.name} for llama.cpp rollouts")
+        write_gguf(base.state_dict(), base.config, Path(base_path), tok, gguf, "f16")
+        del base
+        self.sampler = LlamaCppSampler(gguf, max_rows, max_tokens)
+        self.adapter = Path(self.dir.name) / "adapter.gguf"
+
+    def sample(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, stop_ids: list[int],
+               pad_id: int, temperature: float, seed: int, lora_alpha: float):
+        """(Rollout, sampler log-probs [N, R]) for the current weights of ``model`` (a PEFT model)."""
+        import torch
+        from peft import get_peft_model_state_dict
+
+        from localrl.quant.lora_gguf import write_lora_gguf
+        from localrl.rollout import Rollout, left_pad
+
+        write_lora_gguf(get_peft_model_state_dict(model), self.config, lora_alpha, self.adapter)
+        self.sampler.set_adapter(self.adapter, 1.0)
+        samples = self.sampler.sample_groups(prompts, group_size, max_new_tokens, stop_ids, temperature, seed)
+        width = max(len(t) for t in samples.tokens)
+        ids = torch.full((len(samples.tokens), width), pad_id, dtype=torch.long)  # [N, R] right-padded
+        mask = torch.zeros_like(ids)
+        logp = torch.zeros(ids.shape, dtype=torch.float32)
+        for i, (tokens, lps) in enumerate(zip(samples.tokens, samples.logprobs)):
+            ids[i, :len(tokens)] = torch.tensor(tokens)
+            mask[i, :len(tokens)] = 1
+            logp[i, :len(tokens)] = torch.tensor(lps)
+        stops = set(stop_ids)
+        truncated = torch.tensor([not t or t[-1] not in stops for t in samples.tokens])
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+        return Rollout(prompt_ids, prompt_mask, ids, mask, truncated, group_size), logp
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.dir.cleanup()

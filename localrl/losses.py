@@ -7,7 +7,10 @@ Conventions follow the GRPO paper (DeepSeekMath) and TRL's ``loss_type="grpo"``:
 - the per-token loss is PPO's clipped surrogate, plus ``beta`` times the k3 KL estimator
   against the reference (base) policy;
 - each completion's token losses are averaged over its own tokens, then the completions
-  are averaged (the original, length-normalised aggregation).
+  are averaged (the original, length-normalised aggregation);
+- completions sampled by another engine (llama.cpp) carry importance weights, the ratio of
+  the training policy's probability to the sampler's, truncated or masked as TRL's
+  ``vllm_importance_sampling_mode`` does, and multiplied into each token's loss.
 """
 
 from __future__ import annotations
@@ -44,6 +47,28 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str = "sequence_mask",
+                       cap: float = 3.0) -> torch.Tensor:
+    """Importance weights correcting for completions sampled by another engine than the policy being trained.
+
+    logp (the policy, no gradient), sampler_logp, mask: [N, R]. The ratio exp(logp - sampler_logp) per token,
+    or per sequence (summed log-ratios) for ``sequence_*`` modes, is clipped at ``cap`` (``*_truncate``) or
+    zeroed above it (``*_mask``). Returns [N, R] (token modes) or [N, 1] (sequence modes).
+    """
+    diff = (logp - sampler_logp) * mask  # [N, R]
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)  # [N, 1]
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    if mode.endswith("mask"):
+        return ratio.masked_fill(ratio > cap, 0.0)
+    raise ValueError(f"unknown importance sampling mode {mode!r}; use one of {', '.join(IS_MODES)}")
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -52,10 +77,12 @@ def grpo_loss(
     epsilon: float = 0.2,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss, summed over the rows given (divide by the total row count outside).
 
-    logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N].
+    logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N]; weights: importance
+    weights ([N, R] or [N, 1]) multiplied into each token's loss, KL included, as TRL does.
     Returns the sum over rows of each row's token-mean loss, so that micro-batches add up
     exactly to the loss of the whole batch, and per-batch statistics.
     """
@@ -69,5 +96,7 @@ def grpo_loss(
         kl = kl_k3(logp, ref_logp)
         per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl, mask).item()
+    if weights is not None:
+        per_token = per_token * weights
     loss = masked_mean(per_token, mask, dim=1).sum()
     return loss, stats

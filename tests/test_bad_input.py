@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -193,8 +194,12 @@ def test_a_half_deleted_checkpoint_is_never_under_a_valid_name(trained_run, tmp_
 
     run = copy_run(trained_run, tmp_path)
 
-    def killed_midway(path, ignore_errors=False):
-        (path / "adapter_model.safetensors").unlink()  # some files gone, then the process dies
+    rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        if not Path(path).name.startswith(".old-step-"):  # anything else (temporary directories) as usual
+            return rmtree(path, *args, **kwargs)
+        (Path(path) / "adapter_model.safetensors").unlink()  # some files gone, then the process dies
         raise KeyboardInterrupt
 
     monkeypatch.setattr(localrl.runs.shutil, "rmtree", killed_midway)

@@ -26,7 +26,7 @@ def setup(builtin_model, tmp_path_factory):
 def test_greedy_groups_equal_torchs(setup):
     model, tok, prompts, sampler = setup
     stops = stop_token_ids(tok, model)
-    ours = sampler.sample_groups(prompts, 2, 40, stops, temperature=0.0)
+    ours = sampler.sample_groups(prompts, 2, 40, stops, temperature=0.0).tokens
     rollout = sample_groups(model, prompts, 2, 40, stops, tok.pad_token_id, temperature=0.0)
     theirs = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     assert ours == theirs and all(row[-1] in stops for row in ours)  # whole answers, each ending in its stop
@@ -35,9 +35,9 @@ def test_greedy_groups_equal_torchs(setup):
 
 def test_a_seed_gives_the_same_completions_and_another_seed_others(setup):
     _, tok, prompts, sampler = setup
-    first = sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=3)
-    assert first == sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=3)
-    assert first != sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=4)
+    first = sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=3).tokens
+    assert first == sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=3).tokens
+    assert first != sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=4).tokens
     assert len(first) == 12 and all(len(row) == 40 for row in first)
     groups = [{tuple(row) for row in first[i:i + 4]} for i in range(0, 12, 4)]
     assert max(map(len, groups)) > 1  # the sequences of a group are sampled apart
@@ -72,8 +72,8 @@ def test_a_trained_adapter_as_a_gguf_lora_samples_as_the_merged_torch_policy(bui
     sampler = LlamaCppSampler(base_gguf, max_rows=6, max_tokens=max(map(len, prompts)) + 40)
     try:
         sampler.set_adapter(lora_gguf, 1.0)
-        assert sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0) == want
+        assert sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0).tokens == want
         sampler.set_adapter(None)  # detached again: the base's own completions
-        assert sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0) != want
+        assert sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0).tokens != want
     finally:
         sampler.close()

@@ -84,3 +84,29 @@ def test_grpo_loss_micro_batches_add_up_to_the_full_batch():
     full, _ = grpo_loss(logp, old, adv, mask)
     parts = sum(grpo_loss(logp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 2), slice(2, 6)))
     assert torch.allclose(full, parts)
+
+
+def test_importance_weights_in_the_four_modes():
+    from localrl.losses import importance_weights
+
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.1], [0.2, 0.9, 0.9]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.5, 0.9], [0.2, 0.1, 0.9]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # the first row's last token is padding: it must not count
+    token = torch.tensor([[2.0, 1.0, 1.0], [1.0, 9.0, 1.0]])  # p / q per token (1 where masked)
+    assert torch.allclose(importance_weights(logp, sampler, mask, "token_truncate", 3.0),
+                          torch.tensor([[2.0, 1.0, 1.0], [1.0, 3.0, 1.0]]))
+    assert torch.allclose(importance_weights(logp, sampler, mask, "token_mask", 3.0),
+                          torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.0, 1.0]]))
+    sequence = token.prod(dim=1, keepdim=True)  # [[2], [9]]
+    assert torch.allclose(importance_weights(logp, sampler, mask, "sequence_truncate", 3.0), sequence.clamp(max=3))
+    assert torch.allclose(importance_weights(logp, sampler, mask, "sequence_mask", 3.0), torch.tensor([[2.0], [0.0]]))
+
+
+def test_importance_weights_multiply_each_tokens_loss():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    adv, mask = torch.tensor([1.0]), torch.tensor([[1, 1]])
+    plain, _ = grpo_loss(logp, logp.detach(), adv, mask)
+    weighted, _ = grpo_loss(logp, logp.detach(), adv, mask, weights=torch.tensor([[2.0, 0.0]]))
+    assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-1.0)  # (2*-1 + 0*-1) / 2
+    (grad,) = torch.autograd.grad(weighted, logp)
+    assert torch.allclose(grad, torch.tensor([[-1.0, 0.0]]))  # the zero-weight token gets no gradient

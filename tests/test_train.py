@@ -196,3 +196,16 @@ def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
     sample = result["samples"][0]
     assert sample["prompt"].startswith("What is") and "<answer>" in sample["completion"]
     assert set(sample["rewards"]) == {"numeric_match", "format_reward"}
+
+
+def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(builtin_model, tmp_path):
+    """The llama.cpp backend (auto on a CPU with llama-cpp-python): its samples are the torch policy's to
+    within f16 rounding (importance weights near 1), and a resumed run repeats an uninterrupted one."""
+    full = train(small(tmp_path / "full", steps=4, rollout="llama.cpp"), **QUIET)
+    part = train(small(tmp_path / "part", steps=2, rollout="llama.cpp"), **QUIET)
+    train(resume_config(part.run_dir, {"steps": 4}), resume=True, **QUIET)
+    records = train_records(full.run_dir)
+    assert records == train_records(part.run_dir)
+    assert all(0.9 < r["is_weight"] <= 1.1 for r in records)
+    status = next(r for r in read_metrics(Run(full.run_dir).metrics_path) if r["kind"] == "status")
+    assert "rollouts: llama.cpp" in status["message"]
