@@ -387,7 +387,7 @@ def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, lo
     quants = export_quants(quants)
     model, tok, _, _ = load_merged(source)  # the torch reference every file is compared with
     rows = []
-    log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'max|dlogit|':>11} "
+    log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'KL':>8} {'max|dlogit|':>11} "
         f"{'of range':>8} {'greedy':>6} | result")
     with tempfile.TemporaryDirectory() as tmp:
         for quant in quants:
@@ -398,10 +398,11 @@ def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, lo
             r = check_gguf(result.path, model, tok, quant)
             row = {"quant": quant, "export_s": seconds, "bytes": out.stat().st_size, "tokens_identical":
                    r.tokens_identical, "top1": r.top1_agreement, "max_abs_logit_diff": r.max_abs_logit_diff,
-                   "rel_logit_error": r.rel_logit_error, "greedy_identical": r.greedy_identical, "passed": r.passed}
+                   "rel_logit_error": r.rel_logit_error, "greedy_identical": r.greedy_identical, "kl_mean": r.kl_mean,
+                   "passed": r.passed}
             rows.append(row)
             log(f"{quant:<7} {seconds:>8.2f} {row['bytes'] / 2**20:>6.2f} | "
-                f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} "
+                f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} {r.kl_mean:>8.5f} "
                 f"{r.max_abs_logit_diff:>11.4f} {r.rel_logit_error:>8.2%} "
                 f"{'same' if r.greedy_identical else 'diff':>6} | {'pass' if r.passed else 'FAIL'}")
     return rows

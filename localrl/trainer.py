@@ -5,6 +5,8 @@ One step:
   -> rewards -> group-relative advantages -> clipped policy loss (+ beta * KL to the base
   model, whose log-probs come from the same network with the adapter switched off)
   -> ``num_iterations`` AdamW updates -> one metrics record -> a checkpoint every N steps.
+A step in which every group's completions scored alike (and beta is 0) updates nothing: its
+gradient is zero, and an optimizer step would only replay Adam's momentum.
 
 The training forward computes each prompt once for its group (prompt_cache.py; with
 ``prompt_cache=False`` it concatenates prompt and completion per row instead). Deliberate
@@ -243,7 +245,6 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     # a new run records from the start; a resumed one only once its checkpoint has loaded, so that a
     # failed resume leaves its directory exactly as it was
     sink = MetricsSink(None if resume else run.metrics_path, listeners)
-    started = False  # the config is written: from here on the run can be resumed
     sampler = None  # the llama.cpp rollout backend, when chosen
     try:
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
@@ -263,8 +264,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
                        or (r.get("kind") == "eval" and r.get("when") == "before")]
             sink.write_to(run.metrics_path, history)
-        run.write_config(cfg, base)
-        started = True
+        run.write_config(cfg, base)  # from here on the run can be resumed
     except BaseException as e:
         sink.close()
         if sampler is not None:
@@ -390,7 +390,13 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
         if plan.checkpointing:
             budget.enable_checkpointing(model)
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
+    if flat_groups == 1 and cfg.beta == 0:
+        # No completion differs from its group and there is no KL term: the gradient is zero, and an
+        # optimizer step would still move the adapter along Adam's momentum (seen to collapse a real
+        # model's answers over a few such steps). The adapter and the optimizer stay as they were.
+        stats = {"loss": 0.0, "kl": None, "clip_frac": 0.0}
+    else:
+        stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {

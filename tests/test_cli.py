@@ -1,8 +1,6 @@
 """The command line: bad input stops with one clear line before heavy work; eval reports accuracy."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 

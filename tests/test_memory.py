@@ -9,7 +9,7 @@ import torch
 
 from localrl.bench import PeakMemory, bench_model, synthetic_group
 from localrl.errors import UserError
-from localrl.memory import GIB, ModelShape, parse_bytes, plan_step, predict_peak
+from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
 from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
 
 # config.json of two real models (sizes only; no weights are needed to plan)

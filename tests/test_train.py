@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -188,7 +187,6 @@ def test_a_run_without_a_learning_signal_says_so(builtin_model, tmp_path):
 
 
 def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
-    from localrl.config import TrainConfig
     from localrl.evaluate import evaluate_policy
 
     result = evaluate_policy(TrainConfig(eval_size=6, eval_batch_size=6).validate(), samples=2)
