@@ -138,10 +138,10 @@ def test_bench_grpo_step_tiny():
 def test_bench_export_tiny(builtin_model):
     proc = bench("export", "--quant", "q8_0")  # one type: each costs a few seconds (comma lists: tested above)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {m[0]: m[1:] for m in re.findall(r"^(\w+)\s+(\S+)\s+(\S+) \|\s+(same|DIFF)\s+(\S+)%\s+(\S+)\s+(\S+)%\s+"
+    rows = {m[0]: m[1:] for m in re.findall(r"^(\w+)\s+(\S+)\s+(\S+) \|\s+(same|DIFF)\s+(\S+)%\s+(\S+)\s+(\S+)\s+(\S+)%\s+"
                                             r"(same|diff) \| (pass|FAIL)$", proc.stdout, re.M)}
     assert list(rows) == ["q8_0"], proc.stdout
-    for quant, (export_s, mib, tokens, top1, dlogit, of_range, greedy, result) in rows.items():
+    for quant, (export_s, mib, tokens, top1, kl, dlogit, of_range, greedy, result) in rows.items():
         assert result == "pass" and tokens == "same", (quant, proc.stdout)
-        seconds, size, top1, dlogit, of_range = numbers(export_s, mib, top1, dlogit, of_range)
-        assert seconds > 0 and size > 0 and 0 < top1 <= 100 and dlogit >= 0 and of_range >= 0
+        seconds, size, top1, kl, dlogit, of_range = numbers(export_s, mib, top1, kl, dlogit, of_range)
+        assert seconds > 0 and size > 0 and 0 < top1 <= 100 and kl >= 0 and dlogit >= 0 and of_range >= 0
