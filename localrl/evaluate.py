@@ -15,7 +15,9 @@ import torch
 
 from localrl.errors import UserError
 from localrl.rewards import RewardFn, combine, score
-from localrl.rollout import decode_completions, encode_prompts, sample_groups, stop_token_ids
+from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
+
+Generate = Callable[[list[list[int]]], Rollout]  # prompts (token ids) -> one greedy completion each
 
 
 def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
@@ -27,21 +29,24 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: list[float],
              max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None,
-             system: str | None = None, samples: int = 0) -> dict:
+             system: str | None = None, samples: int = 0, generate: Generate | None = None) -> dict:
     """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)``
     is called before and after each batch. With ``samples``, the first few completions come back too,
-    each with its prompt, reference answer and rewards, so a user can see why a model scores as it does."""
+    each with its prompt, reference answer and rewards, so a user can see why a model scores as it does.
+    ``generate``: who decodes (training passes its llama.cpp sampler); by default the torch model does."""
     was_training = model.training
     model.eval()
-    stops = stop_token_ids(tok, model)
+    if generate is None:
+        stops = stop_token_ids(tok, model)
+
+        def generate(prompts: list[list[int]]) -> Rollout:
+            return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0)
     correct, total, shown = [], [], []
     for i in range(0, len(rows), batch_size):
         if progress is not None:
             progress(i, len(rows))
         chunk = rows[i:i + batch_size]
-        rollout = sample_groups(model, encode_prompts(tok, chunk, system), 1, max_new_tokens, stops,
-                                tok.pad_token_id, temperature=0.0)
-        texts = decode_completions(tok, rollout)
+        texts = decode_completions(tok, generate(encode_prompts(tok, chunk, system)))
         scores = score(rewards, texts, columns_of(chunk))
         correct += [float(s == 1.0) for s in scores[0]]
         total += combine(scores, weights)

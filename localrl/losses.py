@@ -30,7 +30,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale:
         adv = adv / (r.std(dim=1, keepdim=True) + ADV_EPS)
-    return adv.reshape(-1)
+    flat = (r == r[:, :1]).all(dim=1, keepdim=True)  # exactly 0 there, not the mean's rounding error
+    return adv.masked_fill(flat, 0.0).reshape(-1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

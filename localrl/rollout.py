@@ -25,6 +25,15 @@ class Rollout:
     truncated: torch.Tensor  # [B*G] True where no stop token came before max_new_tokens
     group_size: int
 
+    def groups(self, keep: torch.Tensor) -> "Rollout":
+        """The prompts where ``keep`` ([B] bool) is set, with their groups; completions trimmed to the
+        longest one kept."""
+        rows = keep.repeat_interleave(self.group_size)  # [B*G]
+        mask = self.completion_mask[rows]
+        width = max(int(mask.sum(-1).max()), 1) if mask.numel() else 1
+        return Rollout(self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[rows, :width],
+                       mask[:, :width], self.truncated[rows], self.group_size)
+
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack variable-length sequences with padding on the left; returns ids and mask."""

@@ -65,8 +65,18 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
     device = next(model.parameters()).device
-    n = rollout.completion_ids.size(0)
-    chunks = _chunks(n, micro_batch)
+    n = rollout.completion_ids.size(0)  # the loss is a mean over all completions
+    if cfg.beta == 0:
+        # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
+        # adds exactly nothing to the loss or its gradient: only the other groups are computed.
+        keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
+        if not keep.all():
+            rows = keep.repeat_interleave(rollout.group_size)
+            rollout, advantages = rollout.groups(keep), advantages[rows]
+            if sampler_logp is not None:
+                sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
+    trained = rollout.completion_ids.size(0)
+    chunks = _chunks(trained, micro_batch)
     mask = rollout.completion_mask.to(device)
     adv = advantages.to(device)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
@@ -94,7 +104,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
                 loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
                                         ref[i] if ref is not None else None, cfg.beta, is_weights)
                 (loss / n).backward()
-                weight = (c.stop - c.start) / n / cfg.num_iterations
+                weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
                 if correct:  # the mean weight, over rows (sequence modes) or tokens
                     totals["is_weight"] += (is_weights.mean().item() if is_weights.size(-1) == 1
                                             else masked_mean(is_weights, mask[c]).item()) * weight
@@ -280,7 +290,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         eval_before = next((r for r in history if r.get("kind") == "eval" and r.get("when") == "before"), None)
         if eval_before is None and cfg.eval_size and task.held_out:
             eval_before = {"kind": "eval", "when": "before", "step": 0,
-                           **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "before")}
+                           **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "before", sampler, stops)}
             sink.emit(eval_before)
 
         interrupted, done, t_run, flat_steps = False, start, time.time(), 0
@@ -314,7 +324,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         eval_after = None
         if not interrupted and cfg.eval_size and task.held_out:
             eval_after = {"kind": "eval", "when": "after", "step": done,
-                          **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "after")}
+                          **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "after", sampler, stops)}
             sink.emit(eval_after)
     finally:
         sink.close()
@@ -340,13 +350,23 @@ def no_signal_message(record: dict, steps: int) -> str:
     return f"no learning signal for {steps} steps: {cause}"
 
 
-def _evaluate(model, tok, task: Task, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str) -> dict:
-    """Held-out evaluation with a status record per batch, so watchers see its progress."""
+def _evaluate(model, tok, task: Task, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str,
+              sampler: LlamaCppRollout | None, stops: list[int]) -> dict:
+    """Held-out evaluation with a status record per batch, so watchers see its progress; decoded by the
+    rollout backend (llama.cpp's greedy decoding of the same weights, when it samples the rollouts)."""
     def progress(done: int, total: int) -> None:
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
-    return evaluate(model, tok, task.held_out, reward_fns, weights, cfg.max_new_tokens, cfg.eval_batch_size,
-                    progress=progress, system=task.system)
+    batch_size, generate = cfg.eval_batch_size, None
+    if sampler is not None:
+        batch_size = min(batch_size, sampler.sampler.max_rows)
+
+        def generate(prompts: list[list[int]]) -> Rollout:
+            return sampler.sample(model, prompts, 1, cfg.max_new_tokens, stops, tok.pad_token_id, 0.0, 0,
+                                  cfg.lora_alpha)[0]
+
+    return evaluate(model, tok, task.held_out, reward_fns, weights, cfg.max_new_tokens, batch_size,
+                    progress=progress, system=task.system, generate=generate)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:

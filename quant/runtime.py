@@ -17,11 +17,16 @@ INSTALL = "pip install 'localrl[llama]'"
 
 
 def require_llama_cpp(what: str):
-    """The ``llama_cpp`` module, or a UserError naming ``what`` needs it and how to install it."""
+    """The ``llama_cpp`` module, or a UserError naming ``what`` needs it and how to install it.
+    llama.cpp's own log (every debug line, unless the application set a level) is cut to errors, as
+    llama-cpp-python's ``verbose=False`` does (some of its informational lines come at warning level)."""
     try:
         import llama_cpp
     except ImportError:
         raise UserError(f"{what} needs llama-cpp-python, which is not installed ({INSTALL})") from None
+    logger = logging.getLogger("llama-cpp-python")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
     return llama_cpp
 
 

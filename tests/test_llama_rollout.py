@@ -77,3 +77,21 @@ def test_a_trained_adapter_as_a_gguf_lora_samples_as_the_merged_torch_policy(bui
         assert sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0).tokens != want
     finally:
         sampler.close()
+
+
+def test_draws_follow_the_softmax_at_the_temperature_and_report_its_log_probabilities():
+    import numpy as np
+
+    from localrl.llama_rollout import _draw
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(3, 12)).astype(np.float32)
+    want = torch.softmax(torch.tensor(logits) / 0.7, dim=-1).numpy()  # [3, 12]
+    counts = np.zeros_like(want)
+    for _ in range(4000):  # 4000 draws a row: frequencies within ~0.02 of the probabilities
+        tokens, logps = _draw(logits, 0.7, rng)
+        counts[np.arange(3), tokens] += 1
+        assert np.allclose(logps, np.log(want[np.arange(3), tokens]), atol=1e-5)
+    assert np.abs(counts / 4000 - want).max() < 0.03
+    greedy, zeros = _draw(logits, 0.0, rng)
+    assert (greedy == logits.argmax(-1)).all() and not zeros.any()

@@ -136,3 +136,41 @@ def test_one_optimizer_step_updates_the_same_with_and_without_the_prompt_cache(b
     # entries into full-size differences of single elements; compare whole tensors (Frobenius norm).
     for k in updates:
         assert ((cached[k] - naive[k]).norm() / naive[k].norm()).item() <= 1e-4, k
+
+
+class _NoStep:
+    """An optimizer that leaves the gradients where grpo_step put them."""
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def step(self):
+        pass
+
+
+@pytest.mark.parametrize("micro_batch", [0, 2])
+def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny_models, micro_batch):
+    """With beta 0, grpo_step computes only the groups with a learning signal; the gradient equals the
+    full batch's (every completion through the loss, divided by all of them) to float rounding."""
+    from localrl.losses import group_advantages, grpo_loss
+    from localrl.trainer import grpo_step
+
+    model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
+    advantages = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0]), G).float()
+    assert advantages[:3].eq(0).all() and advantages[6:].eq(0).all() and advantages[3:6].ne(0).all()
+    cfg = TrainConfig(beta=0.0, max_grad_norm=0.0, temperature=1.0).validate()
+
+    model.zero_grad(set_to_none=True)
+    n = rollout.completion_ids.size(0)
+    with ConcatForward(model, rollout, chunk_tokens=4) as fwd:
+        logp = fwd.logprobs(slice(0, n))
+        loss, _ = grpo_loss(logp, logp.detach(), advantages, rollout.completion_mask)
+        (loss / n).backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    grpo_step(model, _NoStep(), rollout, advantages, cfg, micro_batch=micro_batch)
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and len(got) > 0
+    for k in want:
+        assert rel_err(got[k], want[k]) < 1e-4, k

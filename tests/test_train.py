@@ -198,8 +198,11 @@ def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
 
 def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(builtin_model, tmp_path):
     """The llama.cpp backend (auto on a CPU with llama-cpp-python): its samples are the torch policy's to
-    within f16 rounding (importance weights near 1), and a resumed run repeats an uninterrupted one."""
-    full = train(small(tmp_path / "full", steps=4, rollout="llama.cpp"), **QUIET)
+    within f16 rounding (importance weights near 1), a resumed run repeats an uninterrupted one, and its
+    held-out evaluation (decoded by llama.cpp, in batches of at most its 16 rows) is torch's."""
+    from localrl.evaluate import evaluate_policy
+
+    full = train(small(tmp_path / "full", steps=4, rollout="llama.cpp", eval_size=20), **QUIET)
     part = train(small(tmp_path / "part", steps=2, rollout="llama.cpp"), **QUIET)
     train(resume_config(part.run_dir, {"steps": 4}), resume=True, **QUIET)
     records = train_records(full.run_dir)
@@ -207,3 +210,6 @@ def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(b
     assert all(0.9 < r["is_weight"] <= 1.1 for r in records)
     status = next(r for r in read_metrics(Run(full.run_dir).metrics_path) if r["kind"] == "status")
     assert "rollouts: llama.cpp" in status["message"]
+    by_torch = evaluate_policy(small(tmp_path / "unused", eval_size=20), run=full.run_dir, samples=0)
+    assert full.eval_after["accuracy"] == by_torch["accuracy"] and full.eval_after["n"] == 20
+    assert full.eval_after["reward_mean"] == pytest.approx(by_torch["reward_mean"])
