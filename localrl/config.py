@@ -41,7 +41,7 @@ class TrainConfig:
     # model and adapter
     quantize: str = _f("auto", "base weights: 'nf4' (4-bit, bitsandbytes; --4bit), 'none' (full precision; "
                                "--no-4bit), or 'auto': nf4 on a GPU, full precision on a CPU (4-bit decoding is "
-                               "about 12x slower there) unless the memory budget or free memory needs nf4")
+                               "slower there) unless the memory budget or free memory needs nf4")
     lora_rank: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / rank)")
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")

@@ -268,7 +268,8 @@ def step_need(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool,
 def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device) -> tuple[bool, str]:
     """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
     GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
-    decode step there (measured 11.7x slower sampling), unless only NF4 fits the budget or free memory."""
+    decode step there (1.2-1.8x slower sampling in `localrl bench rollout` on a quiet 2-core machine, 11.7x
+    on a loaded one), unless only NF4 fits the budget or free memory."""
     if cfg.quantize != "auto":
         return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
     if device.type == "cuda":
@@ -285,7 +286,7 @@ def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device) -> tuple[bool, 
     if free is not None and need > free and step_need(cfg, shape, prompt_len, device, True)[0] <= free:
         return True, (f"4-bit NF4 base: a CPU, but full precision needs {need / GIB:.1f} GiB and "
                       f"{free / GIB:.1f} GiB is free")
-    return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (~12x slower)"
+    return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (slower)"
 
 
 def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool, plan: Plan | None = None) -> None:

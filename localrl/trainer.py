@@ -199,7 +199,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
 
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
     """Who samples the completions ("torch" or "llama.cpp"), and why in words. "auto": llama.cpp on a CPU
-    (batched decoding, measured 1.5-2.6x torch's full-precision sampler by `localrl bench rollout`) when
+    (batched decoding, measured 1.9-2.7x torch's full-precision sampler by `localrl bench rollout`) when
     llama-cpp-python is installed and the model can be written as GGUF; torch otherwise."""
     if cfg.rollout == "torch":
         return "torch", "rollouts: torch (rollout = torch)"
