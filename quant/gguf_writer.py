@@ -26,7 +26,9 @@ import json
 import math
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -246,6 +248,27 @@ def _tensor_data(name: str, w: np.ndarray, qtype):
     return quantize(w.astype(np.float32), qtype), qtype
 
 
+@contextmanager
+def gguf_file(out: Path, arch) -> Iterator:
+    """A ``gguf.GGUFWriter`` for ``out`` whose file appears there only once whole: written under a temporary
+    name (header, key/values, tensors) when the block ends, then renamed; removed if anything fails."""
+    import gguf
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        yield writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path, tok, out: Path,
                quant: str = "f16", pre: str | None = None) -> Path:
     """Write ``state_dict`` (HF names, full precision) as GGUF at ``out`` (atomically). ``pre`` names
@@ -263,9 +286,7 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path,
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-    try:
+    with gguf_file(out, arch) as writer:
         writer.add_name(getattr(config, "_name_or_path", "") or out.stem)
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(config.hidden_size)
@@ -314,13 +335,4 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, tokenizer_dir: Path,
                 w = _permute_rotary(w, n_kv)
             data, dtype = _tensor_data(name, w, qtype)
             writer.add_tensor(name, data, raw_dtype=dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out

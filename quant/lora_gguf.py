@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from localrl.errors import UserError
-from localrl.quant.gguf_writer import ARCHITECTURES, _permute_rotary, check_architecture
+from localrl.quant.gguf_writer import ARCHITECTURES, _permute_rotary, check_architecture, gguf_file
 
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.default)?\.weight$")
 
@@ -23,8 +23,6 @@ _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.default)
 def write_lora_gguf(adapter_state: dict, config, alpha: float, out: Path) -> Path:
     """Write PEFT adapter weights (``get_peft_model_state_dict`` or a PeftModel's state dict: the lora_A and
     lora_B tensors) for a base of ``config`` as a GGUF adapter at ``out`` (atomically)."""
-    import os
-
     import gguf
     import numpy as np
 
@@ -42,9 +40,7 @@ def write_lora_gguf(adapter_state: dict, config, alpha: float, out: Path) -> Pat
     if not pairs:
         raise UserError("export: the adapter has no LoRA weights")
     out = Path(out)
-    tmp = out.with_name(f".tmp-{out.name}")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-    try:
+    with gguf_file(out, arch) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
@@ -57,13 +53,4 @@ def write_lora_gguf(adapter_state: dict, config, alpha: float, out: Path) -> Pat
                 lora_b = _permute_rotary(lora_b, n_head if base.endswith("q_proj") else n_kv)
             writer.add_tensor(f"{name}.lora_a", np.ascontiguousarray(ab["A"]))
             writer.add_tensor(f"{name}.lora_b", np.ascontiguousarray(lora_b))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out

@@ -166,3 +166,24 @@ class ScriptedModel:
 def tool_call(command: str) -> str:
     return "<think>I should look.</think>" + '<tool_call>{"name": "shell", "arguments": {"command": ' + \
         json.dumps(command) + "}}</tool_call>"
+
+
+# -- the memory planner ---------------------------------------------------------------------------
+
+def run_planned_step(model, plan, prompt_len: int, completion_len: int, group: int = 8) -> tuple[int, int]:
+    """Forward and backward of one synthetic group the way ``plan`` says (checkpointing, logits chunk,
+    micro-batches); returns (measured peak bytes of the step, the plan's prediction for it)."""
+    from localrl.bench import PeakMemory, synthetic_group
+    from localrl.memory import ModelShape
+    from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+
+    device = next(model.parameters()).device
+    if plan.checkpointing:
+        enable_checkpointing(model)
+    rollout = synthetic_group(prompt_len, completion_len, group, ModelShape.from_config(model.config).vocab)
+    with PeakMemory(device) as mem:
+        with SharedPromptForward(model, rollout, chunk_tokens=plan.logits_chunk) as fwd:
+            for i in range(0, group, plan.micro_batch):
+                fwd.logprobs(slice(i, min(i + plan.micro_batch, group))).sum().backward()
+    lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return mem.peak, plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads

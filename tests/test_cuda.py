@@ -35,27 +35,18 @@ def test_4bit_training_on_the_gpu_changes_the_adapter(builtin_model, tmp_path):
 @pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(2000, 128, 2048), (4000, 64, 1024)])
 def test_the_planner_predicts_the_gpu_peak(prompt_len, completion_len, budget_mb):
     """bf16 on CUDA: plan under a budget, run the step that way, compare with max_memory_allocated."""
-    from localrl.bench import PeakMemory, bench_model, synthetic_group
+    from localrl.bench import bench_model
     from localrl.memory import ModelShape, plan_step
-    from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+    from tests.helpers import run_planned_step
 
-    device = torch.device("cuda")
-    model = bench_model(device)
+    model = bench_model(torch.device("cuda"))
     shape = ModelShape.from_config(model.config)
     plan = plan_step(shape, 1, 8, prompt_len, completion_len, budget_mb * 2**20, dtype_bytes=2)
     assert plan.fits
-    if plan.checkpointing:
-        enable_checkpointing(model)
-    rollout = synthetic_group(prompt_len, completion_len, 8, shape.vocab)
-    with PeakMemory(device) as mem:
-        with SharedPromptForward(model, rollout, chunk_tokens=plan.logits_chunk) as fwd:
-            for i in range(0, 8, plan.micro_batch):
-                fwd.logprobs(slice(i, min(i + plan.micro_batch, 8))).sum().backward()
-    lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    predicted = plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads
-    print(f"P={prompt_len} R={completion_len}: measured {mem.peak / 2**20:.0f} MiB, "
+    peak, predicted = run_planned_step(model, plan, prompt_len, completion_len)
+    print(f"P={prompt_len} R={completion_len}: measured {peak / 2**20:.0f} MiB, "
           f"predicted {predicted / 2**20:.0f} MiB, plan {plan.describe().splitlines()[0]}")
-    assert 0.75 <= mem.peak / predicted <= 1.25, (mem.peak, predicted, plan.describe())
+    assert 0.75 <= peak / predicted <= 1.25, (peak, predicted, plan.describe())
 
 
 def test_the_unsloth_path_trains_a_step(builtin_model, tmp_path):

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from localrl.bench import PeakMemory, bench_model, synthetic_group
+from localrl.bench import bench_model
 from localrl.errors import UserError
 from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
-from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+from tests.helpers import run_planned_step
 
 # config.json of two real models (sizes only; no weights are needed to plan)
 QWEN25_1_5B = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
@@ -62,17 +62,9 @@ def test_measured_peak_is_under_budget_and_near_the_prediction(prompt_len, compl
     static = sum(p.numel() * p.element_size() for p in model.parameters())
     plan = plan_step(shape, 1, 8, prompt_len, completion_len, budget_mb * 2**20)
     assert plan.fits and plan.micro_batch < 8  # the budget is tight enough to make the planner split
-    if plan.checkpointing:
-        enable_checkpointing(model)
-    rollout = synthetic_group(prompt_len, completion_len, 8, shape.vocab)
-    with PeakMemory(device) as mem:
-        with SharedPromptForward(model, rollout, chunk_tokens=plan.logits_chunk) as fwd:
-            for i in range(0, 8, plan.micro_batch):
-                fwd.logprobs(slice(i, min(i + plan.micro_batch, 8))).sum().backward()
-    lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    predicted_step = plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads
-    assert static + mem.peak <= budget_mb * 2**20
-    assert 0.75 <= mem.peak / predicted_step <= 1.25, (mem.peak, predicted_step, plan.describe())
+    peak, predicted_step = run_planned_step(model, plan, prompt_len, completion_len)
+    assert static + peak <= budget_mb * 2**20
+    assert 0.75 <= peak / predicted_step <= 1.25, (peak, predicted_step, plan.describe())
 
 
 @pytest.mark.slow
