@@ -5,8 +5,8 @@ One step:
   -> rewards -> group-relative advantages -> clipped policy loss (+ beta * KL to the base
   model, whose log-probs come from the same network with the adapter switched off)
   -> ``num_iterations`` AdamW updates -> one metrics record -> a checkpoint every N steps.
-A step in which every group's completions scored alike (and beta is 0) updates nothing: its
-gradient is zero, and an optimizer step would only replay Adam's momentum.
+With beta 0, groups whose completions all scored alike are left out of the update (their gradient
+is exactly zero); a step in which every group did updates nothing, rather than replay Adam's momentum.
 
 The training forward computes each prompt once for its group (prompt_cache.py; with
 ``prompt_cache=False`` it concatenates prompt and completion per row instead). Deliberate
@@ -68,8 +68,12 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     n = rollout.completion_ids.size(0)  # the loss is a mean over all completions
     if cfg.beta == 0:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
-        # adds exactly nothing to the loss or its gradient: only the other groups are computed.
+        # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
+        # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
+        # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
         keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
+        if not keep.any():
+            return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
         if not keep.all():
             rows = keep.repeat_interleave(rollout.group_size)
             rollout, advantages = rollout.groups(keep), advantages[rows]
@@ -410,13 +414,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
         if plan.checkpointing:
             budget.enable_checkpointing(model)
-    if flat_groups == 1 and cfg.beta == 0:
-        # No completion differs from its group and there is no KL term: the gradient is zero, and an
-        # optimizer step would still move the adapter along Adam's momentum (seen to collapse a real
-        # model's answers over a few such steps). The adapter and the optimizer stay as they were.
-        stats = {"loss": 0.0, "kl": None, "clip_frac": 0.0}
-    else:
-        stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
+    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {

@@ -174,3 +174,23 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
     assert got.keys() == want.keys() and len(got) > 0
     for k in want:
         assert rel_err(got[k], want[k]) < 1e-4, k
+
+
+def test_a_step_where_every_group_scored_alike_moves_neither_adapter_nor_optimizer(tiny_models):
+    """beta 0 and no signal: an optimizer step would replay Adam's momentum; grpo_step takes none."""
+    from localrl.losses import group_advantages
+    from localrl.trainer import grpo_step
+
+    model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
+    cfg = TrainConfig(beta=0.0, temperature=1.0).validate()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    signal = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0]), G).float()
+    grpo_step(model, optimizer, rollout, signal, cfg)  # momentum to replay
+    before = [p.detach().clone() for p in params]
+    steps = [s["step"].clone() for s in optimizer.state.values()]
+    flat = group_advantages(torch.tensor([1.0] * 3 + [0.0] * 3 + [2.0] * 3), G).float()
+    stats = grpo_step(model, optimizer, rollout, flat, cfg)
+    assert stats == {"loss": 0.0, "kl": None, "clip_frac": 0.0}
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [s["step"] for s in optimizer.state.values()] == steps
