@@ -295,6 +295,9 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
             record = train_step(model, tok, optimizer, task, step, cfg, [distinct_chars], [1.0], stops=[])
             ours.append(time.perf_counter() - t0)
             ours_completion.append(record["completion_len"])  # mean tokens per completion; all truncated at R
+            if record["frac_reward_zero_std"] > 0:  # such groups would be left out of localrl's update
+                raise RuntimeError("bench grpo-step: a group's completions all scored alike; the comparison "
+                                   "needs every completion in the update, as TRL computes it")
         log(f"localrl steps (s): {', '.join(f'{t:.2f}' for t in ours)}")
         del model, optimizer
         gc.collect()
