@@ -3,6 +3,8 @@ the look, review the diff report, then update with ``pytest tests/test_tui_snaps
 
 from __future__ import annotations
 
+from textual.widgets import Input
+
 from tests.helpers import ScriptedModel, tool_call, wait_for
 from localrl.tui.app import LocalRLApp
 
@@ -13,8 +15,21 @@ def _app(tmp_path, **kwargs) -> LocalRLApp:
     return LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data", **kwargs)
 
 
+def _snapshot(snap_compare, app: LocalRLApp, before=None) -> bool:
+    """The screen after ``before`` ran, with every text cursor hidden: a focused input's cursor
+    blinks every 0.5 s, so whether it shows would depend on how fast the machine ran the steps."""
+    async def run_before(pilot):
+        if before is not None:
+            await before(pilot)
+        for field in pilot.app.screen.query(Input):
+            field.cursor_blink = False  # stops the blink timer and hides the cursor
+        await pilot.pause()
+
+    return snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
 def test_train_screen(snap_compare, tmp_path):
-    assert snap_compare(_app(tmp_path), terminal_size=SIZE)
+    assert _snapshot(snap_compare, _app(tmp_path))
 
 
 def test_train_screen_with_a_form_error(snap_compare, tmp_path):
@@ -23,11 +38,15 @@ def test_train_screen_with_a_form_error(snap_compare, tmp_path):
         await pilot.click("#start")
         await pilot.pause(0.1)
 
-    assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=bad_group)
+    assert _snapshot(snap_compare, _app(tmp_path), bad_group)
 
 
 def test_chat_screen(snap_compare, tmp_path):
-    assert snap_compare(_app(tmp_path), terminal_size=SIZE, press=["f2"])
+    async def open_chat(pilot):
+        await pilot.press("f2")
+        await pilot.pause()
+
+    assert _snapshot(snap_compare, _app(tmp_path), open_chat)
 
 
 def test_chat_screen_with_a_reply(snap_compare, tmp_path):
@@ -40,7 +59,7 @@ def test_chat_screen_with_a_reply(snap_compare, tmp_path):
         await wait_for(pilot, lambda: screen.messages and screen.streaming is None, timeout=10)
         await pilot.pause(0.2)
 
-    assert snap_compare(_app(tmp_path, model=model), terminal_size=SIZE, run_before=ask)
+    assert _snapshot(snap_compare, _app(tmp_path, model=model), ask)
 
 
 def test_agent_screen_asking_for_approval(snap_compare, tmp_path):
@@ -55,4 +74,4 @@ def test_agent_screen_asking_for_approval(snap_compare, tmp_path):
         await wait_for(pilot, lambda: screen.query_one("#approval").display, timeout=10)
         await pilot.pause(0.2)
 
-    assert snap_compare(_app(tmp_path, model=model, workdir="."), terminal_size=SIZE, run_before=ask)
+    assert _snapshot(snap_compare, _app(tmp_path, model=model, workdir="."), ask)
