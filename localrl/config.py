@@ -19,6 +19,8 @@ from typing import Any
 from localrl.errors import UserError
 
 BUILTIN_TASKS = ("arith", "words")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's names; the maths is in localrl.losses
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
 def _f(default: Any, help: str) -> Any:
@@ -60,6 +62,9 @@ class TrainConfig:
                                           "token_mask, sequence_truncate, sequence_mask (TRL's modes) or none")
     rollout_is_cap: float = _f(3.0, "importance weight cap: larger weights are clipped (truncate) or zeroed (mask)")
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
+    loss_type: str = _f("grpo", "how token losses are averaged, as TRL names it: grpo (each completion's mean, "
+                                "then over completions), bnpo / dapo (over all tokens of the step), dr_grpo "
+                                "(token sum / (completions x max_new_tokens): no length bias)")
     epsilon: float = _f(0.2, "clipping range of the policy ratio")
     beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
     lr: float = _f(2e-3, "AdamW learning rate of the adapter")
@@ -106,8 +111,9 @@ class TrainConfig:
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("quantize", self.quantize in ("auto", "nf4", "none"), "must be auto, nf4 or none"),
             ("rollout", self.rollout in ("auto", "torch", "llama.cpp"), "must be auto, torch or llama.cpp"),
-            ("rollout_is", self.rollout_is in ("none", "token_truncate", "token_mask", "sequence_truncate",
-                                               "sequence_mask"), "must be none or one of TRL's four modes"),
+            ("rollout_is", self.rollout_is == "none" or self.rollout_is in IS_MODES,
+             f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
+            ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),

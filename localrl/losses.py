@@ -6,8 +6,12 @@ Conventions follow the GRPO paper (DeepSeekMath) and TRL's ``loss_type="grpo"``:
   with the unbiased standard deviation;
 - the per-token loss is PPO's clipped surrogate, plus ``beta`` times the k3 KL estimator
   against the reference (base) policy;
-- each completion's token losses are averaged over its own tokens, then the completions
-  are averaged (the original, length-normalised aggregation);
+- how token losses become the step's loss is TRL's ``loss_type``: ``grpo`` averages each
+  completion's tokens, then the completions (the paper's; a long completion's tokens weigh less,
+  which lets wrong answers grow long); ``bnpo`` and ``dapo`` (DAPO) average over every token of the
+  step; ``dr_grpo`` (Dr. GRPO) sums the tokens and divides by completions x the longest allowed
+  length, a constant, so no length bias. The divisor is taken from the whole step's batch before
+  it is split into micro-batches (``loss_normalizer``), so the gradient never depends on the split;
 - completions sampled by another engine (llama.cpp) carry importance weights, the ratio of
   the training policy's probability to the sampler's, truncated or masked as TRL's
   ``vllm_importance_sampling_mode`` does, and multiplied into each token's loss.
@@ -16,6 +20,8 @@ Conventions follow the GRPO paper (DeepSeekMath) and TRL's ``loss_type="grpo"``:
 from __future__ import annotations
 
 import torch
+
+from localrl.config import IS_MODES, LOSS_TYPES
 
 ADV_EPS = 1e-4
 
@@ -48,9 +54,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
 def importance_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str = "sequence_mask",
                        cap: float = 3.0) -> torch.Tensor:
     """Importance weights correcting for completions sampled by another engine than the policy being trained.
@@ -79,13 +82,15 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
     weights: torch.Tensor | None = None,
+    loss_type: str = "grpo",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped GRPO loss, summed over the rows given (divide by the total row count outside).
+    """Clipped GRPO loss of the rows given, not yet divided by ``loss_normalizer`` of the whole batch.
 
     logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N]; weights: importance
     weights ([N, R] or [N, 1]) multiplied into each token's loss, KL included, as TRL does.
-    Returns the sum over rows of each row's token-mean loss, so that micro-batches add up
-    exactly to the loss of the whole batch, and per-batch statistics.
+    Returns the sum over rows of each row's token-mean loss (``grpo``) or of every token's loss
+    (the others), so that micro-batches add up exactly to the loss of the whole batch, and per-batch
+    statistics.
     """
     ratio = torch.exp(logp - old_logp)  # [N, R]
     adv = advantages[:, None]  # [N, 1]
@@ -99,5 +104,25 @@ def grpo_loss(
         stats["kl"] = masked_mean(kl, mask).item()
     if weights is not None:
         per_token = per_token * weights
-    loss = masked_mean(per_token, mask, dim=1).sum()
+    if loss_type == "grpo":
+        loss = masked_mean(per_token, mask, dim=1).sum()
+    elif loss_type in LOSS_TYPES:
+        loss = (per_token * mask.to(per_token.dtype)).sum()
+    else:
+        raise ValueError(f"unknown loss type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
     return loss, stats
+
+
+def loss_normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
+    """What the summed loss of a step's batch (``mask``: [N, R], every completion of the step) is divided
+    by: N for ``grpo``, the number of completion tokens for ``bnpo`` and ``dapo``, N x the longest
+    allowed completion for ``dr_grpo``. TRL divides each micro-batch by its own count for ``bnpo``;
+    here both token-averaged types use the whole batch's, so the gradient does not depend on the split."""
+    rows = mask.size(0)
+    if loss_type == "grpo":
+        return float(rows)
+    if loss_type in ("bnpo", "dapo"):
+        return max(float(mask.sum()), 1.0)
+    if loss_type == "dr_grpo":
+        return float(rows * max_completion_length)
+    raise ValueError(f"unknown loss type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")

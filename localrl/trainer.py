@@ -34,7 +34,7 @@ import torch
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.losses import grpo_loss, group_advantages, importance_weights, masked_mean
+from localrl.losses import grpo_loss, group_advantages, importance_weights, loss_normalizer, masked_mean
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
@@ -65,7 +65,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
     device = next(model.parameters()).device
-    n = rollout.completion_ids.size(0)  # the loss is a mean over all completions
+    n = loss_normalizer(cfg.loss_type, rollout.completion_mask, cfg.max_new_tokens)  # of the whole batch
     if cfg.beta == 0:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
@@ -106,7 +106,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
                 is_weights = importance_weights(old_logp, sampler_logp[c], mask[c], cfg.rollout_is,
                                                 cfg.rollout_is_cap) if correct else None
                 loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
-                                        ref[i] if ref is not None else None, cfg.beta, is_weights)
+                                        ref[i] if ref is not None else None, cfg.beta, is_weights, cfg.loss_type)
                 (loss / n).backward()
                 weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
                 if correct:  # the mean weight, over rows (sequence modes) or tokens
