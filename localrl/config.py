@@ -37,6 +37,8 @@ class TrainConfig:
     eval_data: str = _f("", "JSONL file of held-out rows; empty: the task's own held-out split")
     reward: str = _f("numeric", "correctness reward: numeric, exact, regex, format, or package.module:function")
     format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
+    overlong_cache: int = _f(0, "DAPO's soft overlong punishment, added to the reward: a completion longer than "
+                                "max_new_tokens - overlong_cache tokens loses up to 1, linearly (0: off)")
     system_prompt: str = _f("auto", "system message before every prompt: 'auto' (the <think>/<answer> format "
                                     "instruction, except for built-in models, which learned the format), 'none', "
                                     "or the text itself")
@@ -103,6 +105,8 @@ class TrainConfig:
             ("lora_alpha", self.lora_alpha >= 1, "must be at least 1"),
             ("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
             ("format_weight", self.format_weight >= 0, "must be non-negative"),
+            ("overlong_cache", 0 <= self.overlong_cache <= self.max_new_tokens,
+             f"must be between 0 and max_new_tokens ({self.max_new_tokens})"),
             ("eval_size", self.eval_size >= 0, "must be non-negative"),
             ("eval_batch_size", self.eval_batch_size >= 1, "must be at least 1"),
             ("save_every", self.save_every >= 1, "must be at least 1"),

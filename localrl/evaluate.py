@@ -15,7 +15,8 @@ import torch
 
 from localrl.errors import UserError
 from localrl.rewards import RewardFn, combine, score
-from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
+from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
+                             stop_token_ids)
 
 Generate = Callable[[list[list[int]]], Rollout]  # prompts (token ids) -> one greedy completion each
 
@@ -46,8 +47,9 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         if progress is not None:
             progress(i, len(rows))
         chunk = rows[i:i + batch_size]
-        texts = decode_completions(tok, generate(encode_prompts(tok, chunk, system)))
-        scores = score(rewards, texts, columns_of(chunk))
+        rollout = generate(encode_prompts(tok, chunk, system))
+        texts = decode_completions(tok, rollout)
+        scores = score(rewards, texts, {**columns_of(chunk), "completion_ids": completion_token_ids(rollout)})
         correct += [float(s == 1.0) for s in scores[0]]
         total += combine(scores, weights)
         for row, text, *each in zip(chunk, texts, *scores):
@@ -73,7 +75,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     from localrl.tasks import load_task, system_prompt
 
     cfg.validate()
-    rewards, weights = default_rewards(cfg.reward, cfg.format_weight)
+    rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
     task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
     if not task.held_out:
         raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "

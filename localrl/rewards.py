@@ -10,6 +10,10 @@ The answer a model gives is read the way models write it: the text inside its la
 number in the completion). Whether the completion has the ``<think>/<answer>`` format is
 a separate reward (``format``), added with its own weight, so a real model that answers
 right in prose scores for being right and learns the format from the small bonus.
+
+Besides the dataset's columns, every reward gets ``completion_ids`` (each completion's token ids,
+its stop token included), as TRL passes them, so length-aware rewards such as DAPO's soft
+overlong punishment (``overlong_punishment``) can be written and reused from TRL unchanged.
 """
 
 from __future__ import annotations
@@ -96,6 +100,23 @@ def format_reward(completions: list[str], **_) -> list[float]:
     return [float(_FORMAT.match(t) is not None) for t in completions]
 
 
+class overlong_punishment:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13; TRL's ``get_soft_overlong_punishment``):
+    0 up to ``max_len - cache`` tokens, then falling linearly to -1 at ``max_len``, and -1 beyond. A
+    completion cut at the token limit has given no answer the reward can trust (its "last number" is
+    wherever it was cut), and it costs the longest decode: this teaches a model to finish in time."""
+
+    __name__ = "overlong"
+
+    def __init__(self, max_len: int, cache: int):
+        self.max_len, self.cache = max_len, cache
+
+    def __call__(self, completions: list[str], completion_ids: list[list[int]], **_) -> list[float]:
+        start = self.max_len - self.cache
+        return [0.0 if len(ids) <= start else -1.0 if len(ids) > self.max_len else (start - len(ids)) / self.cache
+                for ids in completion_ids]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric": numeric_match,
     "exact": exact_match,
@@ -121,9 +142,15 @@ def resolve_reward(spec: str) -> RewardFn:
                     field="reward")
 
 
-def default_rewards(reward: str, format_weight: float) -> tuple[list[RewardFn], list[float]]:
-    """The correctness reward named in a config, then the weighted format reward."""
-    return [resolve_reward(reward), format_reward], [1.0, format_weight]
+def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0,
+                    max_new_tokens: int = 0) -> tuple[list[RewardFn], list[float]]:
+    """The correctness reward named in a config, then the weighted format reward, then (with an
+    ``overlong_cache``) the soft overlong punishment at weight 1, as in DAPO."""
+    fns, weights = [resolve_reward(reward), format_reward], [1.0, format_weight]
+    if overlong_cache > 0:
+        fns.append(overlong_punishment(max_new_tokens, overlong_cache))
+        weights.append(1.0)
+    return fns, weights
 
 
 def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:

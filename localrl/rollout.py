@@ -112,8 +112,13 @@ def encode_prompts(tok, rows: list[dict], system: str | None = None) -> list[lis
 
 def decode_completions(tok, rollout: Rollout) -> list[str]:
     """Completion texts without padding or special tokens (reasoning tags are kept)."""
-    return [tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    return [tok.decode(ids, skip_special_tokens=True) for ids in completion_token_ids(rollout)]
+
+
+def completion_token_ids(rollout: Rollout) -> list[list[int]]:
+    """Each completion's token ids without padding (its stop token included): the ``completion_ids``
+    column rewards receive."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
 
 
 def stop_token_ids(tok, model) -> list[int]:

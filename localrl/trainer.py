@@ -41,7 +41,8 @@ from localrl.modeling import check_weights, load_config, load_policy, load_token
 from localrl.llama_rollout import LlamaCppRollout
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, score
-from localrl.rollout import Rollout, decode_completions, encode_prompts, sample_groups, stop_token_ids
+from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
+                             stop_token_ids)
 from localrl.runs import Run, base_fingerprint
 from localrl.tasks import Task, load_task, system_prompt
 
@@ -247,7 +248,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint."""
     pre = preflight(cfg)  # bad config, data, model or memory stops here, before anything is written
     task, device = pre.task, pre.device
-    reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight)
+    reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache,
+                                                     cfg.max_new_tokens)
     base = base_fingerprint(cfg.model)
     if resume:
         run = Run.open(cfg.run_dir, "resume")
@@ -400,7 +402,8 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
                                 cfg.temperature, torch.Generator(device=device).manual_seed(seed))
     t_gen = time.time() - t0
-    scores = score(reward_fns, decode_completions(tok, rollout), columns_of(rows, cfg.group_size))
+    columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
+    scores = score(reward_fns, decode_completions(tok, rollout), columns)
     rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
     advantages = group_advantages(rewards, cfg.group_size).float()
     flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()

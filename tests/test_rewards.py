@@ -56,3 +56,32 @@ def test_score_rejects_wrong_length():
 
 def length_reward(completions, **columns):
     return [float(len(c)) for c in completions]
+
+
+def test_overlong_punishment_equals_trls():
+    from trl.rewards import get_soft_overlong_punishment
+
+    from localrl.rewards import overlong_punishment
+
+    ids = [[1] * n for n in range(0, 60)]
+    ours = overlong_punishment(48, 16)([""] * len(ids), completion_ids=ids)
+    assert ours == pytest.approx(get_soft_overlong_punishment(48, 16)(ids))
+    assert ours[32] == 0.0 and ours[40] == -0.5 and ours[48] == -1.0 and ours[59] == -1.0
+
+
+def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
+    """The trainer passes each completion's token ids, as TRL does: a reward that reads them sees the
+    same lengths the metrics report."""
+    from localrl.config import TrainConfig
+    from localrl.trainer import train
+
+    seen = []
+
+    def length_reward(completions, completion_ids, **_):
+        seen.append([len(ids) for ids in completion_ids])
+        return [float(len(ids) % 2) for ids in completion_ids]
+
+    cfg = TrainConfig(model=str(builtin_model), steps=1, prompts_per_step=2, group_size=2, max_new_tokens=8,
+                      eval_size=0, run_dir=str(tmp_path / "run"), quantize="none").validate()
+    train(cfg, rewards=([length_reward], [1.0]), log=lambda *a: None)
+    assert len(seen) == 1 and len(seen[0]) == 4 and all(1 <= n <= 8 for n in seen[0])
