@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from localrl.errors import UserError
-from localrl.rewards import RewardFn, combine, score
+from localrl.rewards import RewardFn, combine, reward_name, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
                              stop_token_ids)
 
@@ -55,7 +55,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         for row, text, *each in zip(chunk, texts, *scores):
             if len(shown) < samples:
                 shown.append({"prompt": row["prompt"], "answer": row["answer"], "completion": text,
-                              "rewards": {getattr(fn, "__name__", f"reward{i}"): round(x, 4)
+                              "rewards": {reward_name(fn, i): round(x, 4)
                                           for i, (fn, x) in enumerate(zip(rewards, each))}})
     if progress is not None:
         progress(len(rows), len(rows))

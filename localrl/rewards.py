@@ -153,6 +153,11 @@ def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0,
     return fns, weights
 
 
+def reward_name(fn: RewardFn, index: int) -> str:
+    """How a reward is called in metrics and samples: its function name, else its position."""
+    return getattr(fn, "__name__", f"reward{index}")
+
+
 def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:
     """Each reward function's scores (one list per function), checked for length."""
     all_scores = []

@@ -40,7 +40,7 @@ from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.llama_rollout import LlamaCppRollout
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
-from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, score
+from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, reward_name, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
                              stop_token_ids)
 from localrl.runs import Run, base_fingerprint
@@ -426,6 +426,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
         "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
+        "rewards": {reward_name(fn, i): sum(s) / len(s) for i, (fn, s) in enumerate(zip(reward_fns, scores))},
         "loss": stats["loss"],
         "kl": stats["kl"],
         "clip_frac": stats["clip_frac"],

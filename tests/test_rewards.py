@@ -1,5 +1,7 @@
 """Verifiable reward functions."""
 
+import json
+
 import pytest
 
 from localrl.errors import UserError
@@ -85,3 +87,7 @@ def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
                       eval_size=0, run_dir=str(tmp_path / "run"), quantize="none").validate()
     train(cfg, rewards=([length_reward], [1.0]), log=lambda *a: None)
     assert len(seen) == 1 and len(seen[0]) == 4 and all(1 <= n <= 8 for n in seen[0])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if r["kind"] == "train")  # each reward's mean is logged apart
+    assert step["rewards"] == {"length_reward": pytest.approx(sum(n % 2 for n in seen[0]) / 4)}
+    assert step["completion_len"] == pytest.approx(sum(seen[0]) / 4)
