@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from localrl.errors import UserError
 
@@ -25,16 +25,17 @@ def _check_prompt(prompt, where: str) -> None:
     raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
 
 
-def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None = None) -> list[dict]:
-    """The rows of a JSONL file; ``check_row(row, "file:line")`` may refuse a row (UserError)."""
+def json_objects(path: str | Path, what: str = "data") -> Iterator[tuple[str, dict]]:
+    """``("file:line", object)`` for each non-empty line of a JSONL file; the first line that is not
+    a UTF-8 JSON object stops with one line naming it."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"data {p}: no such file" + (" (a directory)" if p.is_dir() else ""))
-    rows = []
+        raise UserError(f"{what} {p}: no such file" + (" (a directory)" if p.is_dir() else ""))
     try:
         data = p.read_bytes()
     except OSError as e:
-        raise UserError(f"data {p}: cannot be read ({e.strerror})") from None
+        raise UserError(f"{what} {p}: cannot be read ({e.strerror})") from None
+    found = False
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         try:
             line = raw.decode("utf-8")
@@ -50,6 +51,16 @@ def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None =
             raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        found = True
+        yield where, row
+    if not found:
+        raise UserError(f"{what} {p}: no rows (the file is empty)")
+
+
+def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None = None) -> list[dict]:
+    """The rows of a JSONL file; ``check_row(row, "file:line")`` may refuse a row (UserError)."""
+    rows = []
+    for where, row in json_objects(path):
         for key in ("prompt", "answer"):
             if key not in row:
                 raise UserError(f"{where}: missing '{key}'")
@@ -61,6 +72,4 @@ def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None =
         if check_row is not None:
             check_row(row, where)
         rows.append(row)
-    if not rows:
-        raise UserError(f"data {p}: no rows (the file is empty)")
     return rows

@@ -1,0 +1,331 @@
+"""Shell tasks: generated from a seed, each with the files it starts from, an instruction, a
+verifier of the final file tree and/or answer, and an expert's commands that solve it.
+
+Families (what a terminal agent is asked to do) and levels (how much one command must do):
+
+=======  ============================  ==============================  ==================================
+family   level 1                       level 2                         level 3
+=======  ============================  ==============================  ==================================
+count    lines in a file (wc)          lines matching a word (grep)    files of a type, any depth (find)
+files    create a file or directory    rename or delete one file       move every file of a type (mv)
+edit     write a word into a file      append a line                   replace a word everywhere (sed)
+csv      data rows in a CSV            sum of a column (awk)           sorted distinct values (cut|sort)
+multi    copy a file, then answer      count matches into a file       extract matches, then delete
+=======  ============================  ==============================  ==================================
+
+Scores are honest: a question is right or wrong (1 or 0); a file task scores the fraction of
+its conditions that hold, and the files it must not touch count as conditions too (so
+``rm *`` does not earn the credit of "delete the .tmp files"). The held-out split is by task
+content (a hash), so no held-out task is ever a training task, whatever seeds drew them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localrl.errors import UserError
+from localrl.rewards import exact_match, numeric_match
+from localrl.tasks.jsonl import json_objects
+
+FAMILIES = ("count", "files", "edit", "csv", "multi")
+LEVELS = (1, 2, 3)
+HELD_OUT_ONE_IN = 10
+
+WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "amber", "cedar", "delta",
+         "ember", "frost", "grape", "honey", "ivory", "jolly", "koala", "lunar", "mango", "noble", "olive", "pearl",
+         "quartz", "raven", "solar", "tulip", "umber", "vivid", "willow", "zebra")
+NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "kim", "leo", "mia",
+         "nina", "omar", "paul", "rosa", "sam", "tina", "uma", "victor", "wendy")
+CITIES = ("paris", "lima", "oslo", "rome", "tokyo", "cairo", "delhi", "quito", "seoul", "berlin")
+EXTS = ("txt", "log", "csv", "md", "tmp", "json")
+LOG_LEVELS = ("INFO", "INFO", "INFO", "WARN", "ERROR", "DEBUG")
+DIRS = ("data", "logs", "notes", "src", "docs", "archive", "backup", "reports")
+
+
+@dataclass(frozen=True)
+class Check:
+    """What must hold at the end of an episode. Each field is one or more conditions."""
+
+    answer: str | None = None  # the final answer (numbers compared as numbers, text ignoring case and spacing)
+    files: Mapping[str, str] = field(default_factory=dict)  # path -> content (a final newline is ignored)
+    absent: tuple[str, ...] = ()  # paths that must not exist
+    dirs: tuple[str, ...] = ()  # directories that must exist
+
+    def score(self, root: Path, final_text: str) -> float:
+        met = []
+        if self.answer is not None:
+            match = numeric_match if _is_number(self.answer) else exact_match
+            met.append(match([final_text], [self.answer])[0] == 1.0)
+        for path, content in self.files.items():
+            met.append(_read(root / path) == content.rstrip("\n"))
+        met += [not (root / path).exists() and not (root / path).is_symlink() for path in self.absent]
+        met += [(root / path).is_dir() for path in self.dirs]
+        return sum(met) / len(met) if met else 0.0
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in (("answer", self.answer), ("files", dict(self.files)), ("absent", list(self.absent)),
+                                  ("dirs", list(self.dirs))) if v}
+
+
+@dataclass(frozen=True)
+class ShellTask:
+    instruction: str
+    files: Mapping[str, str]  # the working directory at the start: path -> content ("dir/" for an empty directory)
+    check: Check | Callable[[Path, str], float]  # a Check, or a user's callable (workdir, final text) -> [0, 1]
+    family: str = "user"
+    level: int = 0
+    solution: tuple[str, ...] = ()  # an expert's commands, in order (generated tasks)
+
+    def setup(self, root: Path) -> None:
+        for path, content in self.files.items():
+            target = root / path
+            if path.endswith("/"):
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(content)
+
+    def score(self, root: Path, final_text: str) -> float:
+        score = self.check.score(root, final_text) if isinstance(self.check, Check) else self.check(root, final_text)
+        return min(1.0, max(0.0, float(score)))
+
+    def key(self) -> str:
+        """A digest of what the agent sees: the instruction and the starting files."""
+        blob = json.dumps([self.instruction, sorted(self.files.items())]).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def is_held_out(self) -> bool:
+        return int(self.key()[:8], 16) % HELD_OUT_ONE_IN == 0
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace").rstrip("\n") if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _lines(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def _log(rng: random.Random, n: int) -> list[str]:
+    return [f"12:{rng.randrange(60):02d}:{rng.randrange(60):02d} {rng.choice(LOG_LEVELS)} {rng.choice(NAMES)} "
+            f"{rng.choice(WORDS)}" for _ in range(n)]
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(n)]
+
+
+def _csv(rng: random.Random, n: int) -> tuple[list[str], list[tuple[str, str, int]]]:
+    rows = [(rng.choice(NAMES), rng.choice(CITIES), rng.randint(1, 99)) for _ in range(n)]
+    return ["name,city,amount"] + [f"{a},{b},{c}" for a, b, c in rows], rows
+
+
+def _name(rng: random.Random, ext: str | None = None) -> str:
+    return f"{rng.choice(WORDS)}.{ext or rng.choice(EXTS)}"
+
+
+def _distinct(rng: random.Random, k: int, ext: str | None = None) -> list[str]:
+    names: list[str] = []
+    while len(names) < k:
+        if (name := _name(rng, ext)) not in names:
+            names.append(name)
+    return names
+
+
+# -- the families: each returns (instruction, files, check, solution) -------------------------------
+
+def _count(rng: random.Random, level: int):
+    if level == 1:
+        f, lines = _name(rng, "txt"), _words(rng, rng.randint(2, 9))
+        return (f"How many lines are in {f}?", {f: _lines(lines)}, Check(answer=str(len(lines))), (f"wc -l < {f}",))
+    if level == 2:
+        f, lines, level_word = _name(rng, "log"), _log(rng, rng.randint(4, 10)), rng.choice(("ERROR", "WARN", "INFO"))
+        n = sum(level_word in line for line in lines)
+        return (f"How many lines of {f} contain {level_word}?", {f: _lines(lines)}, Check(answer=str(n)),
+                (f"grep -c {level_word} {f}",))
+    ext = rng.choice(EXTS)
+    files = {}
+    for _ in range(rng.randint(2, 7)):
+        path = "/".join(rng.sample(DIRS, rng.randint(0, 2)) + [_name(rng)])
+        files[path] = rng.choice(WORDS) + "\n"
+    n = sum(p.endswith("." + ext) for p in files)
+    return (f"How many .{ext} files are there in this directory and its subdirectories?", files,
+            Check(answer=str(n)), (f"find . -type f -name '*.{ext}' | wc -l",))
+
+
+def _files(rng: random.Random, level: int):
+    others = {name: rng.choice(WORDS) + "\n" for name in _distinct(rng, rng.randint(1, 3))}
+    if level == 1:
+        if rng.random() < 0.5:
+            d = rng.choice(DIRS)
+            return (f"Create a directory named {d}.", others, Check(files=others, dirs=(d,)), (f"mkdir {d}",))
+        f = next(n for n in iter(lambda: _name(rng), None) if n not in others)
+        return (f"Create an empty file named {f}.", others, Check(files={**others, f: ""}), (f"touch {f}",))
+    if level == 2:
+        src = next(iter(others))
+        if rng.random() < 0.5:
+            dst = next(n for n in iter(lambda: _name(rng), None) if n not in others)
+            rest = {k: v for k, v in others.items() if k != src}
+            return (f"Rename {src} to {dst}.", others, Check(files={**rest, dst: others[src]}, absent=(src,)),
+                    (f"mv {src} {dst}",))
+        rest = {k: v for k, v in others.items() if k != src}
+        return (f"Delete the file {src}.", others, Check(files=rest, absent=(src,)), (f"rm {src}",))
+    ext, d = rng.choice(EXTS), rng.choice(DIRS)
+    moving = {name: rng.choice(WORDS) + "\n" for name in _distinct(rng, rng.randint(1, 4), ext)}
+    rest = {k: v for k, v in others.items() if not k.endswith("." + ext)}
+    files = {**rest, **moving}
+    moved = {f"{d}/{k}": v for k, v in moving.items()}
+    return (f"Move every .{ext} file into a new directory named {d}.", files,
+            Check(files={**rest, **moved}, absent=tuple(moving), dirs=(d,)), (f"mkdir {d}", f"mv *.{ext} {d}/"))
+
+
+def _edit(rng: random.Random, level: int):
+    f = _name(rng, "txt")
+    if level == 1:
+        word = rng.choice(WORDS)
+        return (f"Write the word {word} into a file named {f}.", {}, Check(files={f: word}), (f"echo {word} > {f}",))
+    lines = _words(rng, rng.randint(1, 5))
+    if level == 2:
+        word = rng.choice(WORDS)
+        return (f"Append the line {word} to {f}.", {f: _lines(lines)}, Check(files={f: _lines(lines + [word])}),
+                (f"echo {word} >> {f}",))
+    old = rng.choice(" ".join(lines).split())
+    new = rng.choice([w for w in WORDS if w != old])
+    replaced = [" ".join(new if w == old else w for w in line.split()) for line in lines]
+    return (f"Replace every {old} with {new} in {f}.", {f: _lines(lines)}, Check(files={f: _lines(replaced)}),
+            (f"sed -i 's/\\b{old}\\b/{new}/g' {f}",))
+
+
+def _csv_task(rng: random.Random, level: int):
+    f = rng.choice(("people", "sales", "orders", "visits")) + ".csv"
+    text, rows = _csv(rng, rng.randint(2, 8))
+    files = {f: _lines(text)}
+    if level == 1:
+        return (f"How many data rows (not counting the header) does {f} have?", files, Check(answer=str(len(rows))),
+                (f"tail -n +2 {f} | wc -l",))
+    if level == 2:
+        return (f"What is the sum of the amount column in {f}?", files, Check(answer=str(sum(r[2] for r in rows))),
+                (f"awk -F, 'NR > 1 {{ s += $3 }} END {{ print s }}' {f}",))
+    col, k = rng.choice((("name", 1), ("city", 2)))
+    out = f"{col}s.txt"
+    values = sorted({r[k - 1] for r in rows})
+    return (f"Write the distinct values of the {col} column of {f} into {out}, sorted, one per line.", files,
+            Check(files={**files, out: _lines(values)}), (f"tail -n +2 {f} | cut -d, -f{k} | sort -u > {out}",))
+
+
+def _multi(rng: random.Random, level: int):
+    f, lines = _name(rng, "log"), _log(rng, rng.randint(4, 9))
+    files = {f: _lines(lines)}
+    if level == 1:
+        d = rng.choice(DIRS)
+        return (f"Copy {f} into a new directory named {d}, then say how many lines it has.", files,
+                Check(answer=str(len(lines)), files={**files, f"{d}/{f}": _lines(lines)}),
+                (f"mkdir {d}", f"cp {f} {d}/", f"wc -l < {d}/{f}"))
+    word = rng.choice(("ERROR", "WARN", "INFO"))
+    matching = [line for line in lines if word in line]
+    out = word.lower() + "s.txt"
+    if level == 2:
+        return (f"Count the lines of {f} that contain {word} and write the number into {out}.", files,
+                Check(files={**files, out: str(len(matching))}), (f"grep -c {word} {f} > {out}",))
+    return (f"Copy every line of {f} that contains {word} into {out}, then delete {f}.", files,
+            Check(files={out: _lines(matching)}, absent=(f,)), (f"grep {word} {f} > {out}", f"rm {f}"))
+
+
+_FAMILY = {"count": _count, "files": _files, "edit": _edit, "csv": _csv_task, "multi": _multi}
+
+
+def generate(seed: int, family: str | None = None, level: int | None = None) -> ShellTask:
+    """The task drawn by ``seed`` (a family and level drawn too unless given)."""
+    rng = random.Random(f"shell-task-{seed}")
+    family = family or rng.choice(FAMILIES)
+    level = level or rng.choice(LEVELS)
+    instruction, files, check, solution = _FAMILY[family](rng, level)
+    return ShellTask(instruction, files, check, family, level, solution)
+
+
+def sample_tasks(rng: random.Random, n: int, held_out: bool = False, families: tuple[str, ...] = FAMILIES,
+                 levels: tuple[int, ...] = LEVELS) -> list[ShellTask]:
+    """``n`` tasks from one side of the split, drawn by ``rng``."""
+    tasks: list[ShellTask] = []
+    while len(tasks) < n:
+        task = generate(rng.randrange(2**62), rng.choice(families), rng.choice(levels))
+        if task.is_held_out() == held_out:
+            tasks.append(task)
+    return tasks
+
+
+def held_out_tasks(n: int, families: tuple[str, ...] = FAMILIES, levels: tuple[int, ...] = LEVELS) -> list[ShellTask]:
+    """The fixed held-out set: the same ``n`` tasks for every run, spread evenly over families and levels."""
+    cells = [(f, lv) for f in families for lv in levels]
+    tasks, seed = [], 0
+    while len(tasks) < n:
+        family, level = cells[len(tasks) % len(cells)]
+        task = generate(10**9 + seed, family, level)
+        seed += 1
+        if task.is_held_out():
+            tasks.append(task)
+    return tasks
+
+
+# -- a user's own tasks ------------------------------------------------------------------------------
+
+def load_tasks(spec: str) -> list[ShellTask]:
+    """A user's tasks: a JSONL file of ``{"instruction", "files", "check"}`` lines (see the README),
+    or ``module:function`` naming a callable that returns a list of ``ShellTask``."""
+    if spec.endswith(".jsonl"):
+        return [_task_from_json(row, where) for where, row in json_objects(spec, "tasks")]
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise UserError(f"tasks {spec!r}: expected a .jsonl file or module:function")
+    try:
+        tasks = list(getattr(importlib.import_module(module), name)())
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"tasks {spec}: cannot load ({e})") from None
+    if not tasks or not all(isinstance(t, ShellTask) for t in tasks):
+        raise UserError(f"tasks {spec}: must return a non-empty list of localrl.envs.shell_tasks.ShellTask")
+    return tasks
+
+
+def _task_from_json(row: dict, where: str) -> ShellTask:
+    unknown = set(row) - {"instruction", "files", "check", "family", "level", "solution"}
+    if unknown:
+        raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    instruction, files, check = row.get("instruction"), row.get("files", {}), row.get("check")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise UserError(f"{where}: 'instruction' must be a non-empty string")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise UserError(f"{where}: 'files' must map relative paths to text contents")
+    for path in [*files, *(check or {}).get("files", {}), *(check or {}).get("absent", []),
+                 *(check or {}).get("dirs", [])]:
+        if not isinstance(path, str) or not _relative(path):
+            raise UserError(f"{where}: path {path!r} must be relative and stay inside the working directory")
+    if not isinstance(check, dict) or not check or set(check) - {"answer", "files", "absent", "dirs"}:
+        raise UserError(f"{where}: 'check' must be an object with some of answer, files, absent, dirs")
+    answer = check.get("answer")
+    if answer is not None and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)):
+        raise UserError(f"{where}: check 'answer' must be a string or a number")
+    return ShellTask(instruction, files, Check(None if answer is None else str(answer), dict(check.get("files", {})),
+                                               tuple(check.get("absent", ())), tuple(check.get("dirs", ()))),
+                     str(row.get("family", "user")), int(row.get("level", 0)), tuple(row.get("solution", ())))
+
+
+def _relative(path: str) -> bool:
+    parts = Path(path).parts
+    return bool(parts) and not Path(path).is_absolute() and ".." not in parts

@@ -1,0 +1,140 @@
+"""The shell environment: generated tasks, their verifiers, the episode protocol and users' tasks,
+all run for real in the sandbox."""
+
+import json
+import random
+
+import pytest
+
+from localrl.envs.shell import ShellEnv, expert_call, generated_tasks, solve, task_list
+from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, generate, held_out_tasks, load_tasks, \
+    sample_tasks
+from localrl.errors import UserError
+
+CELLS = [(f, lv) for f in FAMILIES for lv in LEVELS]
+
+
+@pytest.mark.parametrize("family,level", CELLS)
+def test_every_expert_solution_scores_one_and_doing_nothing_does_not(family, level):
+    tasks = [generate(seed, family, level) for seed in range(6)]
+    env = ShellEnv(task_list(tasks))
+    try:
+        for seed, task in enumerate(tasks):
+            reward, turns = solve(env, seed)
+            assert reward == 1.0, (task.instruction, turns)
+            env.reset(seed)
+            env.step("<answer>I did nothing</answer>")
+            assert env.reward() < 1.0, task.instruction
+    finally:
+        env.close()
+
+
+def test_destroying_everything_does_not_earn_a_deletion():
+    task = next(t for t in (generate(s, "files", 2) for s in range(100)) if t.instruction.startswith("Delete")
+                and len(t.files) > 1)
+    env = ShellEnv(task_list([task]))
+    env.reset(0)
+    env.step(expert_call("rm -f *"))
+    env.step("done")
+    assert 0.0 < env.reward() < 1.0
+    env.close()
+
+
+def test_partial_credit_is_the_fraction_of_conditions_met(tmp_path):
+    check = Check(files={"a": "1", "b": "2"}, absent=("c",), dirs=("d",))
+    (tmp_path / "a").write_text("1\n")
+    (tmp_path / "b").write_text("wrong")
+    (tmp_path / "c").write_text("")
+    assert check.score(tmp_path, "") == 0.25
+    assert Check(answer="12").score(tmp_path, "<answer>12</answer>") == 1.0
+    assert Check(answer="12").score(tmp_path, "<answer>13</answer>") == 0.0
+    assert Check(answer="paris").score(tmp_path, "<answer>Paris.</answer>") == 1.0
+
+
+def test_episodes_are_reproducible_from_the_seed_and_leave_nothing_behind():
+    env = ShellEnv()
+    first = env.reset(123)
+    files = sorted(p.relative_to(env.workdir).as_posix() for p in env.workdir.rglob("*"))
+    workdir = env.workdir
+    assert env.reset(123) == first and not workdir.exists()
+    assert sorted(p.relative_to(env.workdir).as_posix() for p in env.workdir.rglob("*")) == files
+    assert env.reset(124) != first or env.task.files != generated_tasks()(123).files
+    last = env.workdir
+    env.close()
+    assert not last.exists()
+
+
+def test_turns_tool_calls_invalid_calls_and_the_turn_limit():
+    env = ShellEnv(max_turns=3)
+    env.reset(5)
+    observation, done = env.step(expert_call("echo hello"))
+    assert "hello" in observation and "[exit code 0]" in observation and not done
+    observation, done = env.step('<tool_call>{"name": "shell", "arguments": {}}</tool_call>')
+    assert "not a valid tool call" in observation and not done
+    observation, done = env.step(expert_call("ls"))
+    assert done  # the third turn was the last
+    assert (env.stats.turns, env.stats.tool_calls, env.stats.invalid_calls, env.stats.answered) == (3, 2, 1, False)
+    env.reset(5)
+    assert env.step("<answer>4</answer>") == ("", True) and env.stats.answered
+    env.close()
+
+
+def test_the_held_out_split_is_disjoint_and_the_task_space_large():
+    train = {t.key() for t in sample_tasks(random.Random(0), 3000)}
+    held = {t.key() for t in held_out_tasks(150)}
+    assert len(train) > 2500 and len(held) == 150 and not train & held
+    assert [t.key() for t in held_out_tasks(30)] == [t.key() for t in held_out_tasks(30)]
+    assert {(t.family, t.level) for t in held_out_tasks(15)} == set(CELLS)
+
+
+def test_a_users_jsonl_tasks(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"instruction": "How many lines are in a.txt?", "files": {"a.txt": "x\ny\n"}, "check": {"answer": 2}},
+            {"instruction": "Remove b.", "files": {"b": "1", "keep/c": "2"}, "check": {"absent": ["b"],
+                                                                                   "files": {"keep/c": "2"}}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = load_tasks(str(path))
+    env = ShellEnv(task_list(tasks))
+    env.reset(0)
+    env.step(expert_call("wc -l < a.txt"))
+    env.step("<answer>2</answer>")
+    assert env.reward() == 1.0
+    env.reset(1)
+    env.step(expert_call("rm b"))
+    env.step("done")
+    assert env.reward() == 1.0
+    env.close()
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"files": {}, "check": {"answer": 1}}, "'instruction'"),
+    ({"instruction": "x", "files": {"../up": "1"}, "check": {"answer": 1}}, "stay inside"),
+    ({"instruction": "x", "files": {"/etc/passwd": "1"}, "check": {"answer": 1}}, "must be relative"),
+    ({"instruction": "x", "check": {"absent": ["../../x"]}}, "stay inside"),
+    ({"instruction": "x", "check": {"grep": "y"}}, "'check' must be"),
+    ({"instruction": "x", "check": {"answer": True}}, "answer"),
+    ({"instruction": "x", "check": {"answer": 1}, "setup": "rm -rf /"}, "unknown field 'setup'"),
+])
+def test_bad_task_lines_are_one_line_naming_the_line(tmp_path, row, message):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n" + json.dumps(row) + "\n")
+    with pytest.raises(UserError, match=message) as info:
+        load_tasks(str(path))
+    assert f"{path}:2" in str(info.value)
+
+
+def test_tasks_from_a_python_callable(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(
+        "from localrl.envs.shell_tasks import Check, ShellTask\n"
+        "def tasks():\n"
+        "    return [ShellTask('Say hi.', {}, lambda root, text: float('hi' in text))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tasks = load_tasks("my_tasks:tasks")
+    env = ShellEnv(task_list(tasks))
+    env.reset(0)
+    env.step("hi there")
+    assert env.reward() == 1.0
+    env.close()
+    with pytest.raises(UserError, match="cannot load"):
+        load_tasks("my_tasks:missing")
+    assert isinstance(tasks[0], ShellTask)
