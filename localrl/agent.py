@@ -15,17 +15,21 @@ from __future__ import annotations
 import json
 import re
 
-SYSTEM_PROMPT = """You are a terminal agent working in the directory {workdir}.
+SYSTEM_PROMPT = """You are a terminal agent working in {where}.
 To run a shell command, write exactly one tool call and stop:
 <tool_call>{{"name": "shell", "arguments": {{"command": "COMMAND"}}}}</tool_call>
-The user approves or rejects every command. Its output comes back inside <tool_response> tags.
-When the task is done, answer without a tool call."""
+{approval}Its output comes back inside <tool_response> tags.
+When the task is done, answer without a tool call; put any value the task asks for inside <answer></answer>."""
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def system_message(workdir: str) -> dict:
-    return {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir)}
+def system_message(workdir: str | None = None, approvals: bool = True) -> dict:
+    """The agent's instructions; training episodes name no directory (every episode has its own, and a
+    prompt shared by a group must be the same text) and have no one to approve."""
+    where = f"the directory {workdir}" if workdir else "the task's working directory"
+    approval = "The user approves or rejects every command. " if approvals else ""
+    return {"role": "system", "content": SYSTEM_PROMPT.format(where=where, approval=approval)}
 
 
 def parse_tool_calls(text: str) -> list[str]:

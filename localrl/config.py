@@ -1,6 +1,7 @@
 """The run configuration: one dataclass, a TOML file, and ``--key value`` overrides.
 
-Precedence: field defaults < ``--config FILE.toml`` < command-line flags. Every field has
+Precedence: field defaults < an environment's preset (``ENV_PRESETS``, with ``env``) <
+``--config FILE.toml`` < command-line flags. Every field has
 a default and a one-line help (the ``help`` metadata, also shown by ``localrl train -h``).
 ``parse_overrides`` reads ``--field value`` flags for the CLI and the terminal UI alike;
 ``validate()`` rejects impossible settings before any model is loaded. Every error is a
@@ -20,6 +21,12 @@ from localrl.errors import UserError
 
 BUILTIN_TASKS = ("arith", "words")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's names; the maths is in localrl.losses
+ENVIRONMENTS = ("", "shell")
+ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandbox's levels, strongest first
+# What ``--env NAME`` changes from the defaults, unless the file or the flags set it: the built-in agent
+# model and sizes that train it on a 2-core CPU
+ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,
+                         "max_new_tokens": 48, "beta": 0.0, "eval_size": 100, "save_every": 10}}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
@@ -76,6 +83,19 @@ class TrainConfig:
     prompt_cache: bool = _f(True, "compute each prompt once per group (--no-prompt-cache: concatenate per row)")
     memory_budget: str = _f("", "peak memory of a training step, e.g. 10GB: sets micro-batches, logits chunks "
                                 "and checkpointing (empty: micro_batch_size applies)")
+    # agent training: multi-turn episodes in an environment instead of prompts
+    env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
+                      "files and answer); empty: train on the data's prompts")
+    env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
+                            "{instruction, files, check} lines, or module:function returning ShellTasks")
+    max_turns: int = _f(4, "model turns per episode, each at most max_new_tokens; an episode ends at its answer")
+    env_workers: int = _f(8, "environment steps (sandboxed commands) run at once")
+    env_timeout: float = _f(5.0, "seconds a command may run in the sandbox")
+    isolation: str = _f("auto", "sandbox isolation: auto (the strongest that works here), bwrap, landlock, "
+                                "unshare or process")
+    mask_truncated_completions: bool = _f(False, "leave episodes that never answered (turn or context limit) out "
+                                                 "of the loss, as TRL's option does; they still count in their "
+                                                 "group's advantages")
     # evaluation, checkpoints, run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")
@@ -119,6 +139,12 @@ class TrainConfig:
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
+            ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),
+            ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
+            ("max_turns", self.max_turns >= 1, "must be at least 1"),
+            ("env_workers", self.env_workers >= 1, "must be at least 1"),
+            ("env_timeout", self.env_timeout > 0, "must be positive"),
+            ("isolation", self.isolation in ISOLATION, f"must be one of {', '.join(ISOLATION)}"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -262,6 +288,8 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         values.update(load_toml(file))
     for k, v in (overrides or {}).items():
         values[k] = coerce(k, v)
+    for k, v in ENV_PRESETS.get(values.get("env", ""), {}).items():
+        values.setdefault(k, v)
     return TrainConfig(**values).validate()
 
 

@@ -300,3 +300,15 @@ def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bo
                         f"{prompt_len} tokens needs about {need / GIB:.1f} GiB for {what}, more than the "
                         f"{free / GIB:.1f} GiB free; lower group_size or prompts_per_step"
                         + ("" if cfg.memory_budget else ", or set memory_budget"), field="group_size")
+
+
+def peak_memory_mb(device) -> float:
+    """Peak allocated GPU memory on a CUDA ``device``, or on a CPU the process's peak resident set (what a
+    watcher can act on)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -24,6 +24,14 @@ class Rollout:
     completion_mask: torch.Tensor  # [B*G, R] 1 on generated tokens up to and including the stop token
     truncated: torch.Tensor  # [B*G] True where no stop token came before max_new_tokens
     group_size: int
+    # [B*G, R] 1 on the tokens the loss covers, where that is not every completion token: a multi-turn
+    # trajectory interleaves the model's turns with the environment's (tool outputs, template), which
+    # the model attends to but did not sample
+    loss_mask: torch.Tensor | None = None
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     def groups(self, keep: torch.Tensor) -> "Rollout":
         """The prompts where ``keep`` ([B] bool) is set, with their groups; completions trimmed to the
@@ -32,7 +40,8 @@ class Rollout:
         mask = self.completion_mask[rows]
         width = max(int(mask.sum(-1).max()), 1) if mask.numel() else 1
         return Rollout(self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[rows, :width],
-                       mask[:, :width], self.truncated[rows], self.group_size)
+                       mask[:, :width], self.truncated[rows], self.group_size,
+                       None if self.loss_mask is None else self.loss_mask[rows, :width])
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

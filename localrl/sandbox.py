@@ -48,9 +48,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from localrl.config import ISOLATION
 from localrl.errors import UserError
 
-LEVELS = ("bwrap", "landlock", "unshare", "process")  # strongest first
+LEVELS = ISOLATION[1:]  # bwrap, landlock, unshare, process: strongest first
 CONFINE = Path(__file__).with_name("confine.py")
 UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount",
            "--mount-proc"]

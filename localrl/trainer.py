@@ -25,21 +25,22 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from localrl.agent_rollout import TurnFormat
+from localrl.agent_train import EnvSetup, agent_step, agent_system_prompt, env_setup, evaluate_episodes
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.losses import grpo_loss, group_advantages, importance_weights, loss_normalizer, masked_mean
-from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit
+from localrl.grpo import grpo_step
+from localrl.losses import group_advantages
+from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.llama_rollout import LlamaCppRollout
-from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, reward_name, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
                              stop_token_ids)
@@ -54,74 +55,6 @@ class RunResult:
     interrupted: bool
     eval_before: dict | None
     eval_after: dict | None
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    size = size or n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
-              micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None) -> dict:
-    """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
-    ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
-    device = next(model.parameters()).device
-    n = loss_normalizer(cfg.loss_type, rollout.completion_mask, cfg.max_new_tokens)  # of the whole batch
-    if cfg.beta == 0:
-        # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
-        # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
-        # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
-        # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
-        keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
-        if not keep.any():
-            return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
-        if not keep.all():
-            rows = keep.repeat_interleave(rollout.group_size)
-            rollout, advantages = rollout.groups(keep), advantages[rows]
-            if sampler_logp is not None:
-                sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
-    trained = rollout.completion_ids.size(0)
-    chunks = _chunks(trained, micro_batch)
-    mask = rollout.completion_mask.to(device)
-    adv = advantages.to(device)
-    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
-
-    def frozen_logprobs(disable_adapter: bool) -> list[torch.Tensor]:
-        with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()), \
-                forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
-            return [fwd.logprobs(c) for c in chunks]
-
-    ref = frozen_logprobs(True) if cfg.beta > 0 else None
-    old = frozen_logprobs(False) if cfg.num_iterations > 1 else None
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
-    correct = sampler_logp is not None and cfg.rollout_is != "none"
-    if correct:
-        sampler_logp = sampler_logp.to(device)
-        totals["is_weight"] = 0.0
-    for _ in range(cfg.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        with forward(model, rollout, cfg.temperature, logits_chunk) as fwd:  # leaving it finishes the prompt backward
-            for i, c in enumerate(chunks):
-                logp = fwd.logprobs(c)
-                old_logp = old[i] if old is not None else logp.detach()
-                is_weights = importance_weights(old_logp, sampler_logp[c], mask[c], cfg.rollout_is,
-                                                cfg.rollout_is_cap) if correct else None
-                loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
-                                        ref[i] if ref is not None else None, cfg.beta, is_weights, cfg.loss_type)
-                (loss / n).backward()
-                weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
-                if correct:  # the mean weight, over rows (sequence modes) or tokens
-                    totals["is_weight"] += (is_weights.mean().item() if is_weights.size(-1) == 1
-                                            else masked_mean(is_weights, mask[c]).item()) * weight
-                totals["loss"] += loss.item() / n / cfg.num_iterations
-                totals["kl"] += stats.get("kl", 0.0) * weight
-                totals["clip_frac"] += stats["clip_frac"] * weight
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-        optimizer.step()
-    if cfg.beta == 0:
-        totals["kl"] = None
-    return totals
 
 
 class _StopFlag:
@@ -150,7 +83,7 @@ class _StopFlag:
 class Preflight:
     """What a run learned before loading any weights."""
 
-    task: Task
+    task: Task | None  # the prompts (None when training an agent in an environment)
     device: torch.device
     budget: MemoryBudget | None
     longest_prompt: int  # tokens, through the chat template
@@ -159,6 +92,8 @@ class Preflight:
     rollout: str  # "torch" or "llama.cpp" (rollout, with "auto" decided)
     why_rollout: str
     model_path: str  # the model's resolved directory
+    env: EnvSetup | None = None  # the environment's tasks and sandbox, when training an agent
+    context: int = 2048  # the model's context, in tokens
 
 
 def preflight(cfg: TrainConfig) -> Preflight:
@@ -174,6 +109,8 @@ def preflight(cfg: TrainConfig) -> Preflight:
     if context and cfg.max_new_tokens >= context:
         raise UserError(f"config field max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the "
                         f"model's context of {context} tokens", field="max_new_tokens")
+    if cfg.env:
+        return _env_preflight(cfg, path, config, tok, context or 2048)
     system = system_prompt(cfg.system_prompt, cfg.model)
     longest = 0
     widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
@@ -200,6 +137,30 @@ def preflight(cfg: TrainConfig) -> Preflight:
     check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
     return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path)
+
+
+def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Preflight:
+    """Preflight of an agent run: the tasks and sandbox, every held-out prompt against the context, and the
+    memory of a step whose completions are whole trajectories (up to the context)."""
+    env = env_setup(cfg)
+    fmt = TurnFormat(tok, agent_system_prompt(cfg.system_prompt, cfg.model))
+    longest = max((len(fmt.prompt_ids(t.instruction)) for t in env.held_out), default=0)
+    if longest + cfg.max_new_tokens > context:
+        raise UserError(f"config field max_new_tokens: a held-out task's prompt is {longest} tokens; with "
+                        f"max_new_tokens {cfg.max_new_tokens} a turn does not fit the model's context of {context} "
+                        f"tokens", field="max_new_tokens")
+    device = pick_device(cfg.device)
+    shape = ModelShape.from_config(config)
+    trajectory = replace(cfg, max_new_tokens=context - longest)  # an episode may fill the context
+    in_4bit, why = choose_4bit(trajectory, shape, longest, device)
+    budget = MemoryBudget.for_run(trajectory, shape, longest, device, in_4bit) if cfg.memory_budget else None
+    check_step_fits(trajectory, shape, longest, device, in_4bit,
+                    budget.plan(longest, trajectory.max_new_tokens) if budget else None)
+    if cfg.rollout == "llama.cpp":
+        raise UserError("config field rollout: multi-turn episodes are sampled by torch (rollout = auto or torch)",
+                        field="rollout")
+    return Preflight(None, device, budget, longest, in_4bit, why, "torch",
+                     f"rollouts: torch, multi-turn episodes; sandbox isolation: {env.isolation}", path, env, context)
 
 
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
@@ -294,9 +255,10 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     stops = stop_token_ids(tok, model)
     try:
         eval_before = next((r for r in history if r.get("kind") == "eval" and r.get("when") == "before"), None)
-        if eval_before is None and cfg.eval_size and task.held_out:
+        held_out = pre.env.held_out if pre.env else task.held_out
+        if eval_before is None and cfg.eval_size and held_out:
             eval_before = {"kind": "eval", "when": "before", "step": 0,
-                           **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "before", sampler, stops)}
+                           **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "before", sampler, stops)}
             sink.emit(eval_before)
 
         interrupted, done, t_run, flat_steps = False, start, time.time(), 0
@@ -304,8 +266,13 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
                 try:
-                    record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
-                                        pre.budget, sampler)
+                    if pre.env:
+                        record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops,
+                                            agent_system_prompt(cfg.system_prompt, cfg.model), pre.context,
+                                            pre.budget)
+                    else:
+                        record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
+                                            pre.budget, sampler)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not _is_out_of_memory(e):
                         raise
@@ -328,9 +295,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run.path}")
                     break
         eval_after = None
-        if not interrupted and cfg.eval_size and task.held_out:
+        if not interrupted and cfg.eval_size and held_out:
             eval_after = {"kind": "eval", "when": "after", "step": done,
-                          **_evaluate(model, tok, task, cfg, reward_fns, weights, sink, "after", sampler, stops)}
+                          **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "after", sampler, stops)}
             sink.emit(eval_after)
     finally:
         sink.close()
@@ -356,13 +323,17 @@ def no_signal_message(record: dict, steps: int) -> str:
     return f"no learning signal for {steps} steps: {cause}"
 
 
-def _evaluate(model, tok, task: Task, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str,
+def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str,
               sampler: LlamaCppRollout | None, stops: list[int]) -> dict:
     """Held-out evaluation with a status record per batch, so watchers see its progress; decoded by the
     rollout backend (llama.cpp's greedy decoding of the same weights, when it samples the rollouts)."""
     def progress(done: int, total: int) -> None:
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
+    if pre.env:
+        return evaluate_episodes(model, tok, pre.env, cfg, stops, agent_system_prompt(cfg.system_prompt, cfg.model),
+                                 pre.context, progress, cfg.eval_batch_size)
+    task = pre.task
     batch_size, generate = cfg.eval_batch_size, None
     if sampler is not None:
         batch_size = min(batch_size, sampler.sampler.max_rows)
@@ -438,15 +409,6 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
         "micro_batch": micro_batch or rollout.completion_ids.size(0),
-        "peak_mem_mb": _peak_memory_mb(device),
+        "peak_mem_mb": peak_memory_mb(device),
         **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
     }
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated GPU memory, or on CPU the process's peak resident set (what a watcher can act on)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

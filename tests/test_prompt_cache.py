@@ -153,7 +153,7 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
     """With beta 0, grpo_step computes only the groups with a learning signal; the gradient equals the
     full batch's (every completion through the loss, divided by all of them) to float rounding."""
     from localrl.losses import group_advantages, grpo_loss
-    from localrl.trainer import grpo_step
+    from localrl.grpo import grpo_step
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     advantages = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0]), G).float()
@@ -179,7 +179,7 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
 def test_a_step_where_every_group_scored_alike_moves_neither_adapter_nor_optimizer(tiny_models):
     """beta 0 and no signal: an optimizer step would replay Adam's momentum; grpo_step takes none."""
     from localrl.losses import group_advantages
-    from localrl.trainer import grpo_step
+    from localrl.grpo import grpo_step
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     cfg = TrainConfig(beta=0.0, temperature=1.0).validate()

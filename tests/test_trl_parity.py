@@ -9,7 +9,7 @@ from localrl.config import LOSS_TYPES, TrainConfig
 from localrl.losses import group_advantages
 from localrl.modeling import load_policy, pick_device
 from localrl.rollout import Rollout
-from localrl.trainer import grpo_step
+from localrl.grpo import grpo_step
 
 G, R, TEMPERATURE = 4, 9, 0.7
 

@@ -1,0 +1,188 @@
+"""Agentic GRPO: one training step on multi-turn episodes, and the held-out evaluation of episodes.
+
+A step draws ``prompts_per_step`` tasks from (seed, step), plays ``group_size`` episodes of
+each in the environment (``agent_rollout.run_episodes``), takes each episode's verifier score
+as its reward, and updates the policy with the same ``grpo_step`` as single-turn training:
+the group shares the prompt (the shared-prompt forward applies), each trajectory is one
+completion, and only the model's own tokens carry loss.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from localrl.agent import system_message
+from localrl.agent_rollout import run_episodes
+from localrl.config import TrainConfig
+from localrl.envs.shell import ShellEnv, TaskSource, generated_tasks, task_list
+from localrl.envs.shell_tasks import ShellTask, held_out_tasks, load_tasks
+from localrl.errors import UserError
+from localrl.grpo import grpo_step
+from localrl.losses import group_advantages
+from localrl.memory import peak_memory_mb
+from localrl.models import builtin_path
+from localrl.sandbox import level_works, strongest_level
+
+
+@dataclass
+class EnvSetup:
+    """Where a run's episodes come from: the training tasks, the held-out tasks, and the sandbox."""
+
+    train: TaskSource
+    held_out: list[ShellTask]
+    isolation: str
+    cfg: TrainConfig
+
+    def make_env(self, tasks: TaskSource | None = None) -> ShellEnv:
+        return ShellEnv(tasks or self.train, self.cfg.max_turns, self.cfg.env_timeout, self.isolation)
+
+
+def env_setup(cfg: TrainConfig) -> EnvSetup:
+    """Check and load what the environment needs (before any model loads)."""
+    if cfg.isolation == "auto":
+        isolation = strongest_level()
+    elif not level_works(cfg.isolation):
+        raise UserError(f"config field isolation: {cfg.isolation} does not work on this machine", field="isolation")
+    else:
+        isolation = cfg.isolation
+    if not cfg.env_tasks:
+        return EnvSetup(generated_tasks(held_out=False), held_out_tasks(cfg.eval_size), isolation, cfg)
+    tasks = load_tasks(cfg.env_tasks)
+    held = [t for t in tasks if t.is_held_out()]
+    train = [t for t in tasks if not t.is_held_out()] or tasks
+    return EnvSetup(lambda seed: train[random.Random(seed).randrange(len(train))], held[:cfg.eval_size],
+                    isolation, cfg)
+
+
+def agent_system_prompt(setting: str, model: str) -> str | None:
+    """The agent's system message: with "auto", the tool-call instructions, except for built-in models,
+    which learned the protocol in pretraining."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return None if builtin_path(model) is not None else system_message(None, approvals=False)["content"]
+    return setting
+
+
+def task_seeds(cfg: TrainConfig, step: int) -> list[int]:
+    """One environment seed per prompt of ``step``: a pure function of (seed, step)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    return [rng.randrange(2**62) for _ in range(cfg.prompts_per_step)]
+
+
+def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConfig, stops: list[int],
+               system: str | None, max_context: int, budget=None) -> dict:
+    """One whole agentic GRPO step; returns its metrics record."""
+    t0 = time.time()
+    device = next(model.parameters()).device
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    episodes = run_episodes(model, tok, setup.make_env, task_seeds(cfg, step), cfg.group_size, cfg.max_new_tokens,
+                            stops, cfg.temperature, generator, max_context, cfg.env_workers, system)
+    t_gen = time.time() - t0
+    rollout = episodes.rollout
+    rewards = torch.tensor(episodes.rewards, dtype=torch.float64)
+    advantages = group_advantages(rewards, cfg.group_size).float()
+    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
+    if cfg.mask_truncated_completions:  # unanswered episodes still shaped their group's advantages above
+        rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
+    model.train()
+    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
+    if budget is not None:
+        plan = budget.plan(rollout.prompt_ids.size(1), rollout.completion_ids.size(1))
+        if not plan.fits:
+            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
+                            f"memory_budget {cfg.memory_budget} (trajectories of {rollout.completion_ids.size(1)} "
+                            f"tokens)")
+        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
+        if plan.checkpointing:
+            budget.enable_checkpointing(model)
+    # dr_grpo's constant: the longest trajectory's model tokens could be max_turns full turns
+    stats = grpo_step(model, optimizer, rollout, advantages, replace(cfg, max_new_tokens=cfg.max_turns *
+                                                                     cfg.max_new_tokens), micro_batch, logits_chunk)
+    elapsed = time.time() - t0
+    model_tokens = int(episodes.rollout.trained_mask.sum())
+    return {
+        "kind": "train",
+        "step": step + 1,
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": episodes.stats["success"],
+        "rewards": {"env": rewards.mean().item()},
+        "loss": stats["loss"],
+        "kl": stats["kl"],
+        "clip_frac": stats["clip_frac"],
+        "completion_len": model_tokens / len(episodes.rewards),
+        "truncated": rollout.truncated.float().mean().item(),
+        "frac_reward_zero_std": flat_groups,
+        "tokens_per_s": model_tokens / max(elapsed, 1e-9),
+        "gen_s": round(t_gen, 3),
+        "step_s": round(elapsed, 3),
+        "lr": optimizer.param_groups[0]["lr"],
+        "micro_batch": micro_batch or rollout.completion_ids.size(0),
+        "peak_mem_mb": peak_memory_mb(device),
+        "isolation": setup.isolation,
+        **{k: v for k, v in episodes.stats.items() if k != "success"},
+    }
+
+
+@torch.no_grad()
+def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], system: str | None,
+                      max_context: int, progress: Callable[[int, int], None] | None = None,
+                      batch_size: int = 32, samples: int = 0) -> dict:
+    """Greedy episodes of every held-out task: success rate (reward 1) overall and per family, each with
+    a 95% Wilson interval, the mean reward, turns and invalid calls per episode."""
+    tasks = setup.held_out
+    was_training = model.training
+    model.eval()
+    by_family: dict[str, list[float]] = defaultdict(list)
+    rewards, turns, invalid, shown = [], 0.0, 0.0, []
+    for i in range(0, len(tasks), batch_size):
+        if progress is not None:
+            progress(i, len(tasks))
+        chunk = tasks[i:i + batch_size]
+        out = run_episodes(model, tok, lambda: setup.make_env(task_list(chunk)), list(range(len(chunk))), 1,
+                           cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, system)
+        for task, episode in zip(chunk, out.episodes):
+            by_family[task.family].append(episode.reward)
+            if len(shown) < samples:
+                shown.append({"task": task.instruction, "family": task.family, "level": task.level,
+                              "turns": episode.texts, "observations": episode.observations,
+                              "reward": episode.reward})
+        rewards += out.rewards
+        turns += out.stats["turns"] * len(chunk)
+        invalid += out.stats["invalid_calls"] * len(chunk)
+    if progress is not None:
+        progress(len(tasks), len(tasks))
+    model.train(was_training)
+    n = len(rewards)
+    successes = sum(r == 1.0 for r in rewards)
+    result = {
+        "accuracy": successes / max(n, 1),
+        "interval": wilson(successes, n),
+        "reward_mean": sum(rewards) / max(n, 1),
+        "n": n,
+        "turns": turns / max(n, 1),
+        "invalid_calls": invalid / max(n, 1),
+        "families": {f: {"success": sum(r == 1.0 for r in rs) / len(rs), "interval": wilson(sum(r == 1.0 for r in rs),
+                                                                                            len(rs)), "n": len(rs)}
+                     for f, rs in sorted(by_family.items())},
+    }
+    return {**result, "samples": shown} if samples else result
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a success rate."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))

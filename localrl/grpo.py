@@ -1,0 +1,86 @@
+"""The policy update of one GRPO step on a finished rollout: clipped loss (+ KL to the base model),
+micro-batched through the shared-prompt forward, ``num_iterations`` optimizer steps.
+
+Single-turn and multi-turn steps both end here: a rollout's ``trained_mask`` says which
+completion tokens the loss covers (a multi-turn trajectory's environment tokens are attended
+to but not trained on).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from localrl.config import TrainConfig
+from localrl.losses import grpo_loss, importance_weights, loss_normalizer, masked_mean
+from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.rollout import Rollout
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    size = size or n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
+              micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None) -> dict:
+    """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
+    ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
+    device = next(model.parameters()).device
+    n = loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens)  # of the whole batch
+    if cfg.beta == 0:
+        # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
+        # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
+        # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
+        # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
+        keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
+        if not keep.any():
+            return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
+        if not keep.all():
+            rows = keep.repeat_interleave(rollout.group_size)
+            rollout, advantages = rollout.groups(keep), advantages[rows]
+            if sampler_logp is not None:
+                sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
+    trained = rollout.completion_ids.size(0)
+    chunks = _chunks(trained, micro_batch)
+    mask = rollout.trained_mask.to(device)  # the tokens the loss covers (the model's own, in a multi-turn rollout)
+    adv = advantages.to(device)
+    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
+
+    def frozen_logprobs(disable_adapter: bool) -> list[torch.Tensor]:
+        with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()), \
+                forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
+            return [fwd.logprobs(c) for c in chunks]
+
+    ref = frozen_logprobs(True) if cfg.beta > 0 else None
+    old = frozen_logprobs(False) if cfg.num_iterations > 1 else None
+    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+    correct = sampler_logp is not None and cfg.rollout_is != "none"
+    if correct:
+        sampler_logp = sampler_logp.to(device)
+        totals["is_weight"] = 0.0
+    for _ in range(cfg.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        with forward(model, rollout, cfg.temperature, logits_chunk) as fwd:  # leaving it finishes the prompt backward
+            for i, c in enumerate(chunks):
+                logp = fwd.logprobs(c)
+                old_logp = old[i] if old is not None else logp.detach()
+                is_weights = importance_weights(old_logp, sampler_logp[c], mask[c], cfg.rollout_is,
+                                                cfg.rollout_is_cap) if correct else None
+                loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
+                                        ref[i] if ref is not None else None, cfg.beta, is_weights, cfg.loss_type)
+                (loss / n).backward()
+                weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
+                if correct:  # the mean weight, over rows (sequence modes) or tokens
+                    totals["is_weight"] += (is_weights.mean().item() if is_weights.size(-1) == 1
+                                            else masked_mean(is_weights, mask[c]).item()) * weight
+                totals["loss"] += loss.item() / n / cfg.num_iterations
+                totals["kl"] += stats.get("kl", 0.0) * weight
+                totals["clip_frac"] += stats["clip_frac"] * weight
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+        optimizer.step()
+    if cfg.beta == 0:
+        totals["kl"] = None
+    return totals
