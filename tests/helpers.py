@@ -187,3 +187,15 @@ def run_planned_step(model, plan, prompt_len: int, completion_len: int, group: i
                 fwd.logprobs(slice(i, min(i + plan.micro_batch, group))).sum().backward()
     lora_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return mem.peak, plan.parts["prompt"] + plan.parts["completion"] + plan.parts["logits"] + lora_grads
+
+
+def randomise_lora(model):
+    """Non-zero LoRA B weights, so gradients reach every adapter weight."""
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2, generator=g)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()

@@ -7,6 +7,7 @@ from localrl.config import TrainConfig
 from localrl.modeling import load_base, load_policy, pick_device
 from localrl.prompt_cache import ConcatForward, SharedPromptForward, token_logprobs
 from localrl.rollout import Rollout, left_pad
+from tests.helpers import randomise_lora, rel_err
 
 G = 3
 
@@ -22,13 +23,6 @@ def make_rollout(vocab: int, pad_id: int, seed: int = 0) -> Rollout:
     completion_ids = torch.randint(0, vocab, (len(lengths), r), generator=g)
     completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, pad_id))
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == r, G)
-
-
-def randomise_lora(model):
-    g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.2, generator=g)
 
 
 def lora_policy(model_dir, four_bit: bool = True):
@@ -54,10 +48,6 @@ def logprobs_and_grads(model, rollout, forward_cls, micro_batch: int):
             outs.append(logp.detach())
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return torch.cat(outs), grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
 def assert_same(naive, cached, mask):
