@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localrl.agent import system_message, tool_response
+from localrl.agent import tool_response
 from localrl.envs import Environment
 from localrl.rollout import Rollout, left_pad, sample_groups
 
@@ -111,9 +111,10 @@ def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, m
                  stop_ids: list[int], temperature: float, generator: torch.Generator | None = None,
                  max_context: int = 2048, workers: int = 8, system: str | None = None) -> AgentRollout:
     """``group_size`` episodes of each task (``task_seeds``: one environment seed per task; a group's
-    episodes share it and so their task and prompt). ``make_env()`` builds one environment."""
+    episodes share it and so their task and prompt). ``make_env()`` builds one environment; ``system``: the
+    system message every episode starts with (None: none)."""
     t0 = time.monotonic()
-    fmt = TurnFormat(tok, system if system is not None else system_message(None, approvals=False)["content"])
+    fmt = TurnFormat(tok, system)
     episodes: list[Episode] = []
     prompts: list[list[int]] = []
     for b, seed in enumerate(task_seeds):

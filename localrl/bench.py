@@ -23,6 +23,7 @@ is larger, since glibc's heap keeps some freed memory.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import random
 import statistics
@@ -473,3 +474,65 @@ def bench_rollout(model: str, prompts: int = 2, group: int = 8, completion_len: 
         r["vs_torch_4bit"] = r["tokens_per_s"] / base
     log("ratios to torch 4-bit: " + ", ".join(f"{r['backend']} {r['vs_torch_4bit']:.1f}x" for r in results))
     return results
+
+
+def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8, max_turns: int = 4,
+                     max_new_tokens: int = 48, repeats: int = 3, log=print) -> dict:
+    """One multi-turn GRPO step of ``model`` on the shell environment, timed by part: the rollout's model
+    decoding against its environment steps (sandboxed commands), then the update of those same episodes
+    with the shared-prompt forward against the concatenated one (median of ``repeats`` each, alternated,
+    gradients checked equal). The optimizer never steps, so every repeat sees the same weights."""
+    from localrl.agent_rollout import run_episodes
+    from localrl.agent_train import agent_system_prompt, env_setup, task_seeds
+    from localrl.config import build_config
+    from localrl.grpo import grpo_step
+    from localrl.losses import group_advantages
+    from localrl.modeling import load_policy
+    from localrl.rollout import stop_token_ids
+
+    cfg = build_config(None, {"env": "shell", "model": model, "prompts_per_step": prompts, "group_size": group,
+                              "max_turns": max_turns, "max_new_tokens": max_new_tokens, "quantize": "none",
+                              "device": "cpu", "eval_size": 0})
+    setup = env_setup(cfg)
+    torch.manual_seed(0)
+    policy, tok = load_policy(cfg, torch.device("cpu"))
+    context = getattr(policy.config, "max_position_embeddings", None) or 2048
+    policy.eval()
+    out = run_episodes(policy, tok, setup.make_env, task_seeds(cfg, 0), group, max_new_tokens,
+                       stop_token_ids(tok, policy), 1.0, torch.Generator().manual_seed(0), context, cfg.env_workers,
+                       agent_system_prompt(cfg.system_prompt, model))
+    s = out.stats
+    rollout = out.rollout
+    advantages = group_advantages(torch.tensor(out.rewards, dtype=torch.float64), group).float()
+    if advantages.eq(0).all():  # every group scored alike: give the update something to compute
+        advantages = torch.linspace(-1, 1, advantages.numel())
+    log(f"rollout: {prompts} tasks x {group} episodes, {s['turns']:.1f} turns and {s['model_tokens']:.0f} model "
+        f"tokens per episode, trajectories of up to {rollout.completion_ids.size(1)} tokens after a "
+        f"{rollout.prompt_ids.size(1)}-token prompt; sandbox isolation {setup.isolation}")
+    log(f"  model decoding {s['model_s']:7.2f} s   environment {s['env_s']:7.2f} s (commands in the sandbox "
+        f"{s['sandbox_s']:.2f} s of work, {cfg.env_workers} at once)   whole rollout {s['rollout_s']:.2f} s")
+
+    class NoStep:
+        def zero_grad(self, set_to_none=True):
+            policy.zero_grad(set_to_none=True)
+
+        def step(self):
+            pass
+
+    times = {True: [], False: []}
+    grads = {}
+    policy.train()
+    for _ in range(repeats):
+        for cache in (True, False):
+            step_cfg = dataclasses.replace(cfg, prompt_cache=cache, beta=0.0, max_grad_norm=0.0)
+            t0 = time.perf_counter()
+            grpo_step(policy, NoStep(), rollout, advantages, step_cfg)
+            times[cache].append(time.perf_counter() - t0)
+            grads[cache] = [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+    err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(grads[True], grads[False]))
+    shared, concat = statistics.median(times[True]), statistics.median(times[False])
+    log(f"update: shared-prompt forward {shared:.3f} s, concatenated {concat:.3f} s: {concat / shared:.2f}x "
+        f"(largest relative gradient difference {err:.1e})")
+    return {"model_s": s["model_s"], "env_s": s["env_s"], "sandbox_s": s["sandbox_s"], "rollout_s": s["rollout_s"],
+            "update_shared_s": shared, "update_concat_s": concat, "speedup": concat / shared, "grad_rel_err": err,
+            "turns": s["turns"], "isolation": setup.isolation}

@@ -7,6 +7,7 @@ is set; ``localrl chat`` (``terminal_chat``) and the terminal UI's Chat and Agen
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from pathlib import Path
@@ -40,7 +41,13 @@ class GGUFChat:
     def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
         chunks = self.llm.create_chat_completion(messages=messages, max_tokens=max_tokens,
                                                  temperature=temperature, stream=True)
-        for chunk in chunks:
+        try:
+            first = next(chunks)
+        except StopIteration:
+            return
+        except ValueError as e:  # llama-cpp-python: "Requested tokens (N) exceed context window of M"
+            raise UserError(f"chat: the conversation no longer fits {self.name}'s context ({e})") from None
+        for chunk in itertools.chain([first], chunks):
             if cancel is not None and cancel.is_set():
                 chunks.close()
                 return
@@ -71,6 +78,10 @@ class TorchChat:
     def stream(self, messages, max_tokens=512, temperature=0.0, cancel=None):
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([self.tok(text, add_special_tokens=False)["input_ids"]])
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context and ids.size(1) >= context:
+            raise UserError(f"chat: the conversation is {ids.size(1)} tokens, more than {self.name}'s context of "
+                            f"{context}")
         past, generated, shown = None, [], ""
         for _ in range(max_tokens):
             if cancel is not None and cancel.is_set():

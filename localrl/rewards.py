@@ -161,12 +161,25 @@ def reward_name(fn: RewardFn, index: int) -> str:
 def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:
     """Each reward function's scores (one list per function), checked for length."""
     all_scores = []
-    for fn in reward_fns:
-        scores = fn(completions, **columns)
+    for i, fn in enumerate(reward_fns):
+        name = reward_name(fn, i)
+        try:
+            scores = list(fn(completions, **columns))
+        except Exception as e:  # noqa: BLE001 - a user's function: say which failed and how, in one line
+            raise UserError(f"reward {name} failed: {type(e).__name__}: {e}".splitlines()[0], field="reward") from None
         if len(scores) != len(completions):
-            name = getattr(fn, "__name__", repr(fn))
-            raise ValueError(f"reward {name} returned {len(scores)} scores for {len(completions)} completions")
-        all_scores.append([float(s) for s in scores])
+            raise UserError(f"reward {name} returned {len(scores)} scores for {len(completions)} completions",
+                            field="reward")
+        try:
+            values = [float(s) for s in scores]
+        except (TypeError, ValueError):
+            raise UserError(f"reward {name} returned a score that is not a number: "
+                            f"{next(s for s in scores if not isinstance(s, (int, float)))!r}", field="reward") from None
+        bad = next((k for k, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise UserError(f"reward {name} returned {values[bad]} for completion {bad}: scores must be finite",
+                            field="reward")
+        all_scores.append(values)
     return all_scores
 
 

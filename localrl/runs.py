@@ -171,10 +171,16 @@ class Run:
 
     def check_base(self, fingerprint: dict) -> None:
         """Stop a resume whose base weights are not the ones the run was trained on."""
-        try:
-            saved = json.loads((self.path / BASE).read_text())
-        except (OSError, json.JSONDecodeError):
+        path = self.path / BASE
+        if not path.exists():
             return  # runs from before fingerprints; the next config write records one
+        try:
+            saved = json.loads(path.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise UserError(f"resume {self.path}: {path.name} is damaged ({e}), so the base weights cannot be checked; "
+                            f"restore it, or delete it to resume without the check") from None
         if saved.get("fingerprint") and fingerprint.get("fingerprint") and \
                 saved["fingerprint"] != fingerprint["fingerprint"]:
             raise UserError(f"resume {self.path}: model {fingerprint['model']} is not the base this run was trained "

@@ -70,8 +70,8 @@ class CommandResult:
     seconds: float
     over_disk: bool = False
 
-    def describe(self) -> str:
-        """The result as the model and the transcript see it."""
+    def describe(self, echo: bool = True) -> str:
+        """The result as the model and the transcript see it (with ``echo``, after the command itself)."""
         if self.over_disk:
             status = "killed: the working directory went over its disk quota"
         elif self.timed_out:
@@ -79,7 +79,8 @@ class CommandResult:
         else:
             status = f"exit code {self.exit_code}"
         note = "\n[output truncated]" if self.truncated else ""
-        return f"$ {self.command}\n{self.output.rstrip()}{note}\n[{status}]"
+        head = f"$ {self.command}\n" if echo else ""
+        return f"{head}{self.output.rstrip()}{note}\n[{status}]"
 
 
 def bwrap_binary() -> str | None:

@@ -199,11 +199,11 @@ class ValidateRequests:
     detokenize, a grammar that does not parse) or silently ignore (logit_bias for such a token id).
     """
 
-    def __init__(self, app, api_key: str | None, llama: Llama | None = None) -> None:
+    def __init__(self, app, api_key: str | None, llama: Llama | None = None, alias: str = "model") -> None:
         from llama_cpp.server.types import (CreateChatCompletionRequest, CreateCompletionRequest,
                                             DetokenizeInputRequest, TokenizeInputRequest)
 
-        self.app, self.api_key, self.llama = app, api_key, llama
+        self.app, self.api_key, self.llama, self.alias = app, api_key, llama, alias
         self.models = {CHAT: CreateChatCompletionRequest, **{p: CreateCompletionRequest for p in COMPLETIONS},
                        "/extras/tokenize": TokenizeInputRequest, "/extras/tokenize/count": TokenizeInputRequest,
                        "/extras/detokenize": DetokenizeInputRequest}
@@ -235,6 +235,12 @@ class ValidateRequests:
         if problem is not None:
             where, text = problem
             return await _send_json(send, 400, _error(f"{where}: {text}", param=where))
+        if path == CHAT or path in COMPLETIONS:
+            # llama-cpp-python names the model in a response by the request's "model", else by its file's path:
+            # every response names the served alias instead, so none carries a path
+            request = json.loads(body)
+            request["model"] = self.alias
+            body = json.dumps(request).encode()
         replayed = False
 
         async def replay():
@@ -353,7 +359,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             raise UserError(f"serve: llama.cpp cannot load {p} with a {n_ctx}-token context ({e})") from None
         # the loaded model, for the checks that need its vocabulary (None if llama-cpp-python moves it)
         proxy = getattr(server_app, "_llama_proxy", None)
-        app = GuardErrors(ValidateRequests(app, api_key, proxy() if proxy is not None else None))
+        app = GuardErrors(ValidateRequests(app, api_key, proxy() if proxy is not None else None, p.stem))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
         log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "
             "(OpenAI-compatible; Ctrl-C stops)")

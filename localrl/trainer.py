@@ -130,6 +130,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
                             f"tokens (shorten it or lower max_new_tokens)", field="data")
 
     task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system)
+    probe_rewards(cfg, (task.held_out or task.sample(0, 2, cfg.seed))[:2])
     device = pick_device(cfg.device)
     shape = ModelShape.from_config(config)
     in_4bit, why = choose_4bit(cfg, shape, longest, device)
@@ -137,6 +138,14 @@ def preflight(cfg: TrainConfig) -> Preflight:
     check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
     return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path)
+
+
+def probe_rewards(cfg: TrainConfig, rows: list[dict]) -> None:
+    """Call the configured rewards once on made-up completions of ``rows`` (their own answers), so that a
+    reward that fails, returns the wrong number of scores or a non-number stops the run before it starts."""
+    completions = [f"<think>{r['answer']}</think><answer>{r['answer']}</answer>" for r in rows]
+    reward_fns, _ = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
+    score(reward_fns, completions, {**columns_of(rows), "completion_ids": [[0]] * len(rows)})
 
 
 def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Preflight:

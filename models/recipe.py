@@ -1,4 +1,5 @@
-"""Reproducible recipe for the built-in tiny reasoning model.
+"""Reproducible recipes for the built-in tiny models: the shared pretraining loop, and the reasoning
+model tiny-arith (the terminal agent's data is in shell_recipe.py; build.py names them all).
 
 ``localrl models build tiny-arith`` writes a Hugging Face Llama model directory
 (config.json, tokenizer.json, model.safetensors, a chat template) pretrained from
@@ -58,9 +59,7 @@ class Recipe:
     drop_carry: float = 0.6
     seed: int = 0
     threads: int = 2
-
-
-RECIPES = {"tiny-arith": Recipe()}
+    max_positions: int = 256
 
 
 # Whole-word merges for the words of every prompt; digits are never merged, so each digit
@@ -132,14 +131,32 @@ def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch
     return ids, mask, attn
 
 
-def pretrain(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
-    """Train the model from scratch and write it to ``out_dir`` atomically."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def arith_data(recipe: Recipe, rng: random.Random, log=print):
+    """(tokenizer, batch function) of the tiny-arith recipe."""
+    tok = build_tokenizer()
 
+    def batch():
+        return _batch(tok, rng, recipe)
+
+    return tok, batch
+
+
+def pretrain(out_dir: str | Path, recipe: Recipe, data, log=print) -> Path:
+    """Train a model from scratch on ``data(recipe, rng, log)`` -> (tokenizer, batch function) and write it
+    to ``out_dir`` atomically."""
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     rng = random.Random(recipe.seed)
-    tok = build_tokenizer()
+    tok, batch = data(recipe, rng, log)
+    model = train_lm(tok, batch, recipe, log)
+    return _save_atomic(model, tok, recipe, Path(out_dir))
+
+
+def train_lm(tok, batch, recipe: Recipe, log=print):
+    """A Llama model of ``recipe``'s shape trained from scratch on ``batch()`` -> (ids, loss mask, attention
+    mask), cross-entropy on the masked tokens."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=recipe.hidden_size,
@@ -147,7 +164,7 @@ def pretrain(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
         num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.heads,
         num_key_value_heads=recipe.heads,
-        max_position_embeddings=256,
+        max_position_embeddings=recipe.max_positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -164,7 +181,7 @@ def pretrain(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
     model.train()
     t0 = time.time()
     for step in range(recipe.steps):
-        ids, loss_mask, attn = _batch(tok, rng, recipe)
+        ids, loss_mask, attn = batch()
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         target = ids[:, 1:]
         m = loss_mask[:, 1:].float()
@@ -180,7 +197,7 @@ def pretrain(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
     model.eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tok.pad_token_id], pad_token_id=tok.pad_token_id, do_sample=False)
-    return _save_atomic(model, tok, recipe, Path(out_dir))
+    return model
 
 
 def _save_atomic(model, tok, recipe: Recipe, out_dir: Path) -> Path:

@@ -111,7 +111,8 @@ def localrl(*args, cwd=None, timeout=300, input=None) -> subprocess.CompletedPro
                           cwd=cwd, timeout=timeout, input=input)
 
 
-TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb"}  # vary run to run
+TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb", "sandbox_s", "env_s", "model_s",
+               "rollout_s"}  # vary run to run
 QUIET = {"log": lambda *_: None}
 
 

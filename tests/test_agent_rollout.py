@@ -12,7 +12,7 @@ from localrl.envs.shell_tasks import generate
 from localrl.grpo import grpo_step
 from localrl.losses import grpo_loss
 from localrl.modeling import load_policy, pick_device
-from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.prompt_cache import ConcatForward
 from localrl.rollout import Rollout, left_pad, stop_token_ids
 from tests.helpers import randomise_lora, rel_err
 

@@ -345,3 +345,72 @@ def test_without_llama_cpp_training_and_plain_export_work_and_the_rest_says_how_
     code, _ = run_cli(capsys, "train", "--steps", "1", "--eval-size", "0", "--prompts-per-step", "2",
                       "--group-size", "2", "--run-dir", "run")
     assert code == 0
+
+
+# -- the second audit: a user's rewards, models build, chat, a damaged base.json ----------------------
+
+REWARDS = '''
+import math
+def boom(completions, **_):
+    raise ValueError("my reward broke")
+def short(completions, **_):
+    return [1.0]
+def words(completions, **_):
+    return ["good"] * len(completions)
+def nan(completions, **_):
+    return [math.nan] * len(completions)
+'''
+
+
+@pytest.mark.parametrize("name, message", [
+    ("boom", "reward boom failed: ValueError: my reward broke"),
+    ("short", "reward short returned 1 scores for 2 completions"),
+    ("words", "reward words returned a score that is not a number: 'good'"),
+    ("nan", "reward nan returned nan for completion 0: scores must be finite"),
+    ("os:getcwd", "reward getcwd failed: TypeError"),
+])
+def test_a_users_broken_reward_is_one_line_before_anything_is_written(audit_dir, capsys, monkeypatch, name, message):
+    (audit_dir / "myrew.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(audit_dir))
+    before = sorted(p.name for p in audit_dir.iterdir())
+    spec = name if ":" in name else f"myrew:{name}"
+    line = one_line(capsys, "train", "--reward", spec, "--steps", "1", "--eval-size", "2")
+    assert message in line
+    assert sorted(p.name for p in audit_dir.iterdir() if p.name != "__pycache__") == before
+
+
+def test_models_build_never_replaces_what_is_not_a_built_model(audit_dir, capsys):
+    (audit_dir / "mine").mkdir()
+    (audit_dir / "mine" / "keep.txt").write_text("my work\n")
+    assert "holds files that are not a built model" in one_line(capsys, "models", "build", "--out", "mine",
+                                                                "--steps", "1")
+    assert (audit_dir / "mine" / "keep.txt").read_text() == "my work\n"
+    assert "is a file, not a directory" in one_line(capsys, "models", "build", "--out", "a-file", "--steps", "1")
+    assert "--steps: must be at least 1" in one_line(capsys, "models", "build", "--out", "new", "--steps", "0")
+    assert not (audit_dir / "new").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "inf"], "chat --temperature: must be a finite number"),
+    (["--temperature", "-1"], "chat --temperature"),
+    (["--n-ctx", "-1"], "chat: --n-ctx must be 0"),
+])
+def test_chat_flags_are_checked_in_one_line(audit_dir, capsys, flags, message):
+    assert message in one_line(capsys, "chat", "tiny-arith", *flags)
+
+
+def test_a_chat_longer_than_the_context_is_one_line(builtin_model):
+    import io
+
+    from localrl.chat import terminal_chat
+
+    with pytest.raises(UserError, match="more than tiny-arith's context of 256"):
+        terminal_chat("tiny-arith", stdin=io.StringIO("What is 1 + 1? " * 40 + "\n"), stdout=io.StringIO())
+
+
+def test_a_damaged_base_record_stops_the_resume(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path)
+    (run / "base.json").write_text("{")
+    with pytest.raises(UserError, match="base.json is damaged"):
+        train(resume_config(run, {"steps": 4}), resume=True, **QUIET)
+    assert (run / "base.json").read_text() == "{"

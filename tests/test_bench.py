@@ -145,3 +145,29 @@ def test_bench_export_tiny(builtin_model):
         assert result == "pass" and tokens == "same", (quant, proc.stdout)
         seconds, size, top1, kl, dlogit, of_range = numbers(export_s, mib, top1, kl, dlogit, of_range)
         assert seconds > 0 and size > 0 and 0 < top1 <= 100 and kl >= 0 and dlogit >= 0 and of_range >= 0
+
+
+@pytest.mark.slow
+def test_bench_rollout_tiny(builtin_model):
+    proc = bench("rollout", "--model", "tiny-arith", "--prompts", "1", "--group", "2", "--completion-len", "4",
+                 "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json_line(proc.stdout)
+    assert [r["backend"] for r in rows] == ["torch, 4-bit NF4 base", "torch, full-precision base",
+                                            "llama.cpp, batched (f16 GGUF)"]
+    assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 for r in rows)
+    assert "ratios to torch 4-bit:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_agent_step_tiny():
+    proc = bench("agent-step", "--prompts", "1", "--group", "2", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^  model decoding +\S+ s   environment +\S+ s", proc.stdout, re.M), proc.stdout
+    line = re.search(r"^update: shared-prompt forward (\S+) s, concatenated (\S+) s: (\S+)x \(largest relative "
+                     r"gradient difference (\S+)\)$", proc.stdout, re.M)
+    assert line, proc.stdout
+    shared, concat, speedup, err = numbers(*line.groups())
+    assert shared > 0 and concat > 0 and speedup > 0 and err < 1e-3
+    result = json_line(proc.stdout)
+    assert result["model_s"] > 0 and result["turns"] >= 1 and result["isolation"]

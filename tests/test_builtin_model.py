@@ -11,7 +11,7 @@ from localrl.evaluate import evaluate
 from localrl.modeling import load_base, load_tokenizer, pick_device
 from localrl.tasks import load_task
 from localrl.rewards import default_rewards
-from localrl.models.recipe import RECIPES, pretrain
+from localrl.models.build import RECIPES, build
 from localrl.modeling import count_4bit_layers
 
 
@@ -44,8 +44,8 @@ def test_shipped_model_in_4bit_is_partly_right(builtin_model):
 def test_recipe_is_deterministic_for_a_seed(tmp_path):
     quick = replace(RECIPES["tiny-arith"], steps=3, batch_size=8, hidden_size=32, intermediate_size=64, layers=1)
     quiet = {"log": lambda *_: None}
-    a = load_file(str(pretrain(tmp_path / "a", quick, **quiet) / "model.safetensors"))
-    b = load_file(str(pretrain(tmp_path / "b", quick, **quiet) / "model.safetensors"))
-    c = load_file(str(pretrain(tmp_path / "c", replace(quick, seed=1), **quiet) / "model.safetensors"))
+    a = load_file(str(build(tmp_path / "a", quick, **quiet) / "model.safetensors"))
+    b = load_file(str(build(tmp_path / "b", quick, **quiet) / "model.safetensors"))
+    c = load_file(str(build(tmp_path / "c", replace(quick, seed=1), **quiet) / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)

@@ -34,10 +34,24 @@ def test_resolved_config_round_trips(tmp_path):
     ("device", "tpu", "config field device"),
     ("group_size", "eight", "config field group_size: expected int, got 'eight'"),
     ("quantize", "maybe", "config field quantize: must be auto, nf4 or none"),
+    ("env", "gym", "config field env: must be empty or one of shell"),
+    ("isolation", "chroot", "config field isolation: must be one of auto, bwrap"),
+    ("env_tasks", "tasks.jsonl", "config field env_tasks: needs env = 'shell'"),
+    ("max_turns", "0", "config field max_turns: must be at least 1"),
 ])
 def test_invalid_values_name_the_field(field, value, message):
     with pytest.raises(UserError, match=message):
         build_config(None, {field: value})
+
+
+def test_an_environment_brings_its_preset_unless_the_user_sets_a_field(tmp_path):
+    cfg = build_config(None, {"env": "shell"})
+    assert (cfg.model, cfg.beta, cfg.max_new_tokens) == ("tiny-shell", 0.0, 48)
+    assert build_config(None, {"env": "shell", "model": "tiny-arith", "beta": "0.1"}).model == "tiny-arith"
+    f = tmp_path / "c.toml"
+    f.write_text('env = "shell"\nsteps = 3\n')
+    assert (build_config(f).steps, build_config(f).model) == (3, "tiny-shell")
+    assert build_config(None, {}).model == "tiny-arith"
 
 
 def test_bad_toml_files(tmp_path):

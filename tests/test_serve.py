@@ -179,6 +179,10 @@ def test_the_other_routes_answer(server):
     body = {"prompt": "1+1=", "max_tokens": 4, "temperature": 0}
     status, text = _post(f"{server}/engines/copilot-codex/completions", json.dumps(body).encode(), "sekrit")
     assert status == 200 and json.loads(text)["choices"][0]["text"], text
+    for path, request in (("completions", body), ("chat/completions", QUESTION)):  # never the file's path
+        status, text = _post(f"{server}/{path}", json.dumps(request).encode(), "sekrit")
+        assert status == 200 and json.loads(text)["model"] == "tiny", text
+        _no_traceback(text)
     status, text = _request(f"{root}/nowhere", None, "sekrit")
     assert status == 404, text
 

@@ -29,6 +29,17 @@ def test_every_expert_solution_scores_one_and_doing_nothing_does_not(family, lev
         env.close()
 
 
+def test_slips_are_plausible_and_mostly_wrong():
+    tasks = [generate(seed, family, level) for seed in range(6) for family, level in CELLS]
+    env = ShellEnv(task_list(tasks))
+    rewards = [solve(env, i, slip=True)[0] for i in range(len(tasks))]
+    env.close()
+    assert all(task.slip for task in tasks)
+    assert sum(r == 1.0 for r in rewards) / len(rewards) < 0.3
+    for cell in CELLS:  # every kind of task has a slip that fails
+        assert min(r for r, t in zip(rewards, tasks) if (t.family, t.level) == cell) < 1.0, cell
+
+
 def test_destroying_everything_does_not_earn_a_deletion():
     task = next(t for t in (generate(s, "files", 2) for s in range(100)) if t.instruction.startswith("Delete")
                 and len(t.files) > 1)

@@ -121,6 +121,6 @@ def test_one_namespace_even_beside_a_users_own_models_package(tmp_path):
 
 def test_builtin_names_match_the_recipes():
     from localrl.models import builtin_names
-    from localrl.models.recipe import RECIPES
+    from localrl.models.build import RECIPES
 
     assert builtin_names() == sorted(RECIPES)

@@ -153,7 +153,7 @@ class AgentScreen(Screen):
             result = sandbox.run(command)
             self._call(self._add, "tool", result.describe(), {"command": command, "exit_code": result.exit_code,
                                                               "timed_out": result.timed_out})
-            messages.append(tool_response(result.describe()))
+            messages.append(tool_response(result.describe(echo=False)))
         self._call(self._set_status, "stopped" if self.cancel.is_set() else "done")
 
     def _stream_reply(self, messages: list[dict]) -> str | None:

@@ -80,7 +80,7 @@ class ShellEnv:
             self.stats.tool_calls += 1
             result = self.sandbox.run(commands[0])
             self.stats.sandbox_seconds += result.seconds
-            observation = result.describe()
+            observation = result.describe(echo=False)  # the model wrote the command: only what it printed
         elif "<tool_call>" in action:
             self.stats.invalid_calls += 1
             observation = ('error: not a valid tool call; write exactly '
@@ -101,12 +101,13 @@ class ShellEnv:
         self.workdir = self.sandbox = None
 
 
-def solve(env: ShellEnv, seed: int) -> tuple[float, list[tuple[str, str]]]:
-    """Play the task's expert solution: its reward and the (action, observation) turns, as a
-    scripted agent would write them (the warm start's trajectories come from this)."""
+def solve(env: ShellEnv, seed: int, slip: bool = False) -> tuple[float, list[tuple[str, str]]]:
+    """Play the task's expert solution (or with ``slip``, its careless one): the reward and the
+    (action, observation) turns, as a scripted agent writes them (the built-in agent model's
+    pretraining trajectories come from this)."""
     env.reset(seed)
     turns = []
-    for command in env.task.solution:
+    for command in (env.task.slip if slip else env.task.solution):
         action = expert_call(command)
         observation, done = env.step(action)
         turns.append((action, observation))
@@ -128,5 +129,5 @@ def expert_answer(last_observation: str, task: ShellTask) -> str:
     asks = getattr(task.check, "answer", None) is not None
     if not asks:
         return "<answer>done</answer>"
-    lines = [line for line in last_observation.splitlines()[1:] if not line.startswith("[")]
+    lines = [line for line in last_observation.splitlines() if not line.startswith("[")]
     return f"<answer>{lines[-1].strip() if lines else ''}</answer>"

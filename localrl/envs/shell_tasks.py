@@ -81,6 +81,7 @@ class ShellTask:
     family: str = "user"
     level: int = 0
     solution: tuple[str, ...] = ()  # an expert's commands, in order (generated tasks)
+    slip: tuple[str, ...] = ()  # a careless agent's commands instead: plausible, not (wholly) right
 
     def setup(self, root: Path) -> None:
         for path, content in self.files.items():
@@ -149,17 +150,20 @@ def _distinct(rng: random.Random, k: int, ext: str | None = None) -> list[str]:
     return names
 
 
-# -- the families: each returns (instruction, files, check, solution) -------------------------------
+# -- the families: each returns (instruction, files, check, solution, slip) -------------------------
+# A slip is what a careless agent types instead: plausible, and wrong (or only partly right). The
+# built-in agent model learns from trajectories that slip often, so that RL has something to fix.
 
 def _count(rng: random.Random, level: int):
     if level == 1:
         f, lines = _name(rng, "txt"), _words(rng, rng.randint(2, 9))
-        return (f"How many lines are in {f}?", {f: _lines(lines)}, Check(answer=str(len(lines))), (f"wc -l < {f}",))
+        return (f"How many lines are in {f}?", {f: _lines(lines)}, Check(answer=str(len(lines))), (f"wc -l < {f}",),
+                (f"wc -w < {f}",))
     if level == 2:
         f, lines, level_word = _name(rng, "log"), _log(rng, rng.randint(4, 10)), rng.choice(("ERROR", "WARN", "INFO"))
         n = sum(level_word in line for line in lines)
         return (f"How many lines of {f} contain {level_word}?", {f: _lines(lines)}, Check(answer=str(n)),
-                (f"grep -c {level_word} {f}",))
+                (f"grep -c {level_word} {f}",), (f"grep -c {level_word.lower()} {f}",))
     ext = rng.choice(EXTS)
     files = {}
     for _ in range(rng.randint(2, 7)):
@@ -167,7 +171,7 @@ def _count(rng: random.Random, level: int):
         files[path] = rng.choice(WORDS) + "\n"
     n = sum(p.endswith("." + ext) for p in files)
     return (f"How many .{ext} files are there in this directory and its subdirectories?", files,
-            Check(answer=str(n)), (f"find . -type f -name '*.{ext}' | wc -l",))
+            Check(answer=str(n)), (f"find . -type f -name '*.{ext}' | wc -l",), (f"ls *.{ext} | wc -l",))
 
 
 def _files(rng: random.Random, level: int):
@@ -175,42 +179,46 @@ def _files(rng: random.Random, level: int):
     if level == 1:
         if rng.random() < 0.5:
             d = rng.choice(DIRS)
-            return (f"Create a directory named {d}.", others, Check(files=others, dirs=(d,)), (f"mkdir {d}",))
+            return (f"Create a directory named {d}.", others, Check(files=others, dirs=(d,)), (f"mkdir {d}",),
+                    (f"touch {d}",))
         f = next(n for n in iter(lambda: _name(rng), None) if n not in others)
-        return (f"Create an empty file named {f}.", others, Check(files={**others, f: ""}), (f"touch {f}",))
+        return (f"Create an empty file named {f}.", others, Check(files={**others, f: ""}), (f"touch {f}",),
+                (f"mkdir {f}",))
+    src = next(iter(others))
+    rest = {k: v for k, v in others.items() if k != src}
     if level == 2:
-        src = next(iter(others))
         if rng.random() < 0.5:
             dst = next(n for n in iter(lambda: _name(rng), None) if n not in others)
-            rest = {k: v for k, v in others.items() if k != src}
             return (f"Rename {src} to {dst}.", others, Check(files={**rest, dst: others[src]}, absent=(src,)),
-                    (f"mv {src} {dst}",))
-        rest = {k: v for k, v in others.items() if k != src}
-        return (f"Delete the file {src}.", others, Check(files=rest, absent=(src,)), (f"rm {src}",))
+                    (f"mv {src} {dst}",), (f"cp {src} {dst}",))
+        return (f"Delete the file {src}.", others, Check(files=rest, absent=(src,)), (f"rm {src}",),
+                (f"truncate -s 0 {src}",))
     ext, d = rng.choice(EXTS), rng.choice(DIRS)
     moving = {name: rng.choice(WORDS) + "\n" for name in _distinct(rng, rng.randint(1, 4), ext)}
     rest = {k: v for k, v in others.items() if not k.endswith("." + ext)}
     files = {**rest, **moving}
     moved = {f"{d}/{k}": v for k, v in moving.items()}
     return (f"Move every .{ext} file into a new directory named {d}.", files,
-            Check(files={**rest, **moved}, absent=tuple(moving), dirs=(d,)), (f"mkdir {d}", f"mv *.{ext} {d}/"))
+            Check(files={**rest, **moved}, absent=tuple(moving), dirs=(d,)), (f"mkdir {d}", f"mv *.{ext} {d}/"),
+            (f"mv *.{ext} {d}",))
 
 
 def _edit(rng: random.Random, level: int):
     f = _name(rng, "txt")
     if level == 1:
         word = rng.choice(WORDS)
-        return (f"Write the word {word} into a file named {f}.", {}, Check(files={f: word}), (f"echo {word} > {f}",))
+        return (f"Write the word {word} into a file named {f}.", {}, Check(files={f: word}), (f"echo {word} > {f}",),
+                (f"echo {f} > {word}",))
     lines = _words(rng, rng.randint(1, 5))
     if level == 2:
         word = rng.choice(WORDS)
         return (f"Append the line {word} to {f}.", {f: _lines(lines)}, Check(files={f: _lines(lines + [word])}),
-                (f"echo {word} >> {f}",))
+                (f"echo {word} >> {f}",), (f"echo {word} > {f}",))
     old = rng.choice(" ".join(lines).split())
     new = rng.choice([w for w in WORDS if w != old])
     replaced = [" ".join(new if w == old else w for w in line.split()) for line in lines]
     return (f"Replace every {old} with {new} in {f}.", {f: _lines(lines)}, Check(files={f: _lines(replaced)}),
-            (f"sed -i 's/\\b{old}\\b/{new}/g' {f}",))
+            (f"sed -i 's/\\b{old}\\b/{new}/g' {f}",), (f"sed 's/{old}/{new}/g' {f}",))
 
 
 def _csv_task(rng: random.Random, level: int):
@@ -219,15 +227,17 @@ def _csv_task(rng: random.Random, level: int):
     files = {f: _lines(text)}
     if level == 1:
         return (f"How many data rows (not counting the header) does {f} have?", files, Check(answer=str(len(rows))),
-                (f"tail -n +2 {f} | wc -l",))
+                (f"tail -n +2 {f} | wc -l",), (f"wc -l < {f}",))
     if level == 2:
         return (f"What is the sum of the amount column in {f}?", files, Check(answer=str(sum(r[2] for r in rows))),
-                (f"awk -F, 'NR > 1 {{ s += $3 }} END {{ print s }}' {f}",))
+                (f"awk -F, 'NR > 1 {{ s += $3 }} END {{ print s }}' {f}",),
+                (f"awk -F, 'NR > 1 {{ s += $2 }} END {{ print s + 0 }}' {f}",))
     col, k = rng.choice((("name", 1), ("city", 2)))
     out = f"{col}s.txt"
     values = sorted({r[k - 1] for r in rows})
     return (f"Write the distinct values of the {col} column of {f} into {out}, sorted, one per line.", files,
-            Check(files={**files, out: _lines(values)}), (f"tail -n +2 {f} | cut -d, -f{k} | sort -u > {out}",))
+            Check(files={**files, out: _lines(values)}), (f"tail -n +2 {f} | cut -d, -f{k} | sort -u > {out}",),
+            (f"cut -d, -f{k} {f} | sort -u > {out}",))
 
 
 def _multi(rng: random.Random, level: int):
@@ -237,15 +247,17 @@ def _multi(rng: random.Random, level: int):
         d = rng.choice(DIRS)
         return (f"Copy {f} into a new directory named {d}, then say how many lines it has.", files,
                 Check(answer=str(len(lines)), files={**files, f"{d}/{f}": _lines(lines)}),
-                (f"mkdir {d}", f"cp {f} {d}/", f"wc -l < {d}/{f}"))
+                (f"mkdir {d}", f"cp {f} {d}/", f"wc -l < {d}/{f}"), (f"wc -l < {f}",))
     word = rng.choice(("ERROR", "WARN", "INFO"))
     matching = [line for line in lines if word in line]
     out = word.lower() + "s.txt"
     if level == 2:
         return (f"Count the lines of {f} that contain {word} and write the number into {out}.", files,
-                Check(files={**files, out: str(len(matching))}), (f"grep -c {word} {f} > {out}",))
+                Check(files={**files, out: str(len(matching))}), (f"grep -c {word} {f} > {out}",),
+                (f"grep {word} {f} > {out}",))
     return (f"Copy every line of {f} that contains {word} into {out}, then delete {f}.", files,
-            Check(files={out: _lines(matching)}, absent=(f,)), (f"grep {word} {f} > {out}", f"rm {f}"))
+            Check(files={out: _lines(matching)}, absent=(f,)), (f"grep {word} {f} > {out}", f"rm {f}"),
+            (f"grep {word} {f} > {out}",))
 
 
 _FAMILY = {"count": _count, "files": _files, "edit": _edit, "csv": _csv_task, "multi": _multi}
@@ -256,8 +268,8 @@ def generate(seed: int, family: str | None = None, level: int | None = None) -> 
     rng = random.Random(f"shell-task-{seed}")
     family = family or rng.choice(FAMILIES)
     level = level or rng.choice(LEVELS)
-    instruction, files, check, solution = _FAMILY[family](rng, level)
-    return ShellTask(instruction, files, check, family, level, solution)
+    instruction, files, check, solution, slip = _FAMILY[family](rng, level)
+    return ShellTask(instruction, files, check, family, level, solution, slip)
 
 
 def sample_tasks(rng: random.Random, n: int, held_out: bool = False, families: tuple[str, ...] = FAMILIES,

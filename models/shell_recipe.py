@@ -1,0 +1,111 @@
+"""The data of the built-in terminal agent, ``tiny-shell``: trajectories of scripted solvers.
+
+``recipe.corpus_tasks`` tasks from the training split (never a held-out one) are played once
+each in the sandbox by a scripted agent that types the task's expert commands, or with
+probability ``recipe.slip`` its careless ones (``ShellTask.slip``: ``wc -w`` for ``wc -l``, a
+lowercase grep, ``sed`` without ``-i``, ...), then answers from the last output. The model
+learns the protocol (one ``<tool_call>`` per turn, ``<answer>`` at the end) and both habits,
+the careless one more often, so greedy decoding solves only some tasks before RL, while
+sampling finds right trajectories often enough for GRPO to learn from.
+
+The trajectories are encoded exactly as a multi-turn rollout sees them (``TurnFormat``: the
+chat template's tokens around each tool response), with loss on the agent's turns only. The
+tokenizer is a byte-level BPE trained on these conversations (``recipe.vocab_size``), with
+ChatML turn markers and the tool-call and answer tags as single tokens. There is no system
+prompt: the model learns the protocol itself.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from localrl.agent_rollout import TurnFormat
+from localrl.envs.shell import ShellEnv, solve, task_list
+from localrl.envs.shell_tasks import sample_tasks
+from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe
+
+@dataclass
+class ShellRecipe(Recipe):
+    corpus_tasks: int = 4000  # training-split tasks played once each; batches sample from them
+    slip: float = 0.6  # how often the scripted agent types the careless commands
+    vocab_size: int = 1024  # byte-level BPE trained on the trajectories
+
+
+TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<answer>", "</answer>", "<think>",
+        "</think>"]
+
+
+def trajectories(recipe: ShellRecipe, rng: random.Random, log=print) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(instruction, [(agent turn, observation), ...]) for each corpus task; the last turn is the answer."""
+    tasks = sample_tasks(random.Random(rng.randrange(2**62)), recipe.corpus_tasks)
+    env = ShellEnv(task_list(tasks), max_turns=8)
+    out = []
+    for i, task in enumerate(tasks):
+        _, turns = solve(env, i, slip=rng.random() < recipe.slip)
+        out.append((task.instruction, turns))
+        if (i + 1) % 1000 == 0:
+            log(f"trajectories: {i + 1}/{len(tasks)}")
+    env.close()
+    return out
+
+
+def build_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def encode(tok, fmt: TurnFormat, instruction: str, turns: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """Token ids of a whole episode as a rollout builds it, and the loss mask (1 on the agent's tokens)."""
+    ids = fmt.prompt_ids(instruction)
+    mask = [0] * len(ids)
+    for action, observation in turns:
+        turn = tok(action + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids += turn
+        mask += [1] * len(turn)
+        if observation:
+            between = fmt.between(turn, observation)
+            ids += between
+            mask += [0] * len(between)
+    return ids, mask
+
+
+def shell_data(recipe: ShellRecipe, rng: random.Random, log=print):
+    """(tokenizer, batch function) of the tiny-shell recipe."""
+    corpus = trajectories(recipe, rng, log)
+    texts = [instruction + "\n" + "\n".join(f"{a}\n{o}" for a, o in turns) for instruction, turns in corpus]
+    tok = build_tokenizer(texts, recipe.vocab_size)
+    fmt = TurnFormat(tok, None)
+    examples = [encode(tok, fmt, instruction, turns) for instruction, turns in corpus]
+    examples = [e for e in examples if len(e[0]) <= recipe.max_positions]
+    lengths = sorted(len(ids) for ids, _ in examples)
+    log(f"trajectories: {len(examples)}, tokens per episode: median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+
+    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+
+    def batch():  # episodes of similar lengths together, so little of a batch is padding
+        start = rng.randrange(len(examples) - recipe.batch_size + 1)
+        rows = [examples[i] for i in by_length[start:start + recipe.batch_size]]
+        n = max(len(ids) for ids, _ in rows)
+        pad = tok.pad_token_id
+        ids = torch.tensor([r + [pad] * (n - len(r)) for r, _ in rows])
+        mask = torch.tensor([m + [0] * (n - len(m)) for _, m in rows])
+        attn = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r, _ in rows])
+        return ids, mask, attn
+
+    return tok, batch
