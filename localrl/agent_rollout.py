@@ -28,6 +28,7 @@ from localrl.envs import Environment
 from localrl.rollout import Rollout, left_pad, sample_groups
 
 TOOL_CALL_END = "</tool_call>"
+MAX_OBSERVATION_TOKENS = 256  # a tool's output beyond this is cut in the middle before the model sees it
 _SENTINEL = "\u2063LOCALRL\u2063"
 
 
@@ -54,9 +55,15 @@ class TurnFormat:
             return self.tok(self._render(messages, True), add_special_tokens=False)["input_ids"]
         return self.tok("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
 
-    def between(self, turn_ids: list[int], observation: str) -> list[int]:
+    def between(self, turn_ids: list[int], observation: str, max_tokens: int = MAX_OBSERVATION_TOKENS) -> list[int]:
         """The environment's tokens after a model turn: the rest of the turn's closing, the observation as
-        the next message, and the header of the next assistant turn."""
+        the next message (its middle left out beyond ``max_tokens`` tokens), and the header of the next
+        assistant turn."""
+        ids = self.tok(observation, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_tokens:
+            half = max_tokens // 2
+            observation = (self.tok.decode(ids[:half]) + f"\n[... {len(ids) - 2 * half} tokens left out ...]\n"
+                           + self.tok.decode(ids[-half:]))
         closing = self.close
         turn_text = self.tok.decode(turn_ids, skip_special_tokens=False)
         for k in range(len(closing), 0, -1):  # the model may have written the start of the closing itself
@@ -70,6 +77,13 @@ class TurnFormat:
         else:
             text = closing + message["content"] + "\n"
         return self.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def trajectory_budget(fmt: TurnFormat, max_turns: int, max_new_tokens: int) -> int:
+    """The most tokens an episode's trajectory can hold: every turn at its limit, every observation at
+    its cap (with the template's tokens around it, and the cap's note)."""
+    around = len(fmt.between([], "")) + 16
+    return max_turns * max_new_tokens + (max_turns - 1) * (MAX_OBSERVATION_TOKENS + around)
 
 
 def cut_at_tool_call(tok, ids: list[int]) -> list[int]:

@@ -23,8 +23,9 @@ Ask = Callable[[str, str], tuple[str, str | None]]
 
 
 def agent_system(setting: str, source: str) -> str | None:
-    """The system message for an agent session: "auto" gives the tool-call instructions, except to a
-    built-in model or a run of one, which learned the protocol without a system message."""
+    """The system message for an agent session: "auto" gives the tool-call instructions ("") except to a
+    built-in model, a run of one or a GGUF exported from either, which learned the protocol without a
+    system message (None)."""
     from localrl.models import builtin_path
     from localrl.runs import Run
 
@@ -32,10 +33,14 @@ def agent_system(setting: str, source: str) -> str | None:
         return None
     if setting != "auto":
         return setting
-    base = source
-    if Path(source).is_dir() and (Path(source) / "config.toml").is_file():
-        base = Run.open(source).read_config().model
-    return None if builtin_path(str(base)) is not None else ""
+    base = str(source)
+    if base.endswith(".gguf") and Path(base).is_file():
+        from localrl.quant.gguf_info import read_gguf_info
+
+        base = Path(read_gguf_info(base).name or "x").name  # the exported model's source directory
+    elif Path(base).is_dir() and Run(base).config_path.is_file():
+        base = Run.open(base).read_config().model
+    return None if builtin_path(base) is not None else ""
 
 
 def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys.stdout, max_turns: int = 8,

@@ -38,3 +38,10 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one rename."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

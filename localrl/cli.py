@@ -330,6 +330,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from localrl.plot import plot_run
+
+    out = plot_run(args.run, args.out or Path(args.run) / "learning_curve.png", args.title)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_baselines(args: argparse.Namespace) -> int:
     import torch
 
@@ -403,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("plot", help="a run's learning curve as a PNG (reward and accuracy per step, held-out "
+                       "before and after)")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--out", default=None, help="PNG file (default: RUN_DIR/learning_curve.png)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("agent", help="one task for an agent (a run, GGUF or model) in a directory; you approve "
                        "each command")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from localrl.agent_rollout import TurnFormat
+from localrl.agent_rollout import TurnFormat, trajectory_budget
 from localrl.agent_train import EnvSetup, agent_step, agent_system_prompt, env_setup, evaluate_episodes
 from localrl.config import TrainConfig
 from localrl.errors import UserError
@@ -160,7 +160,9 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
                         f"tokens", field="max_new_tokens")
     device = pick_device(cfg.device)
     shape = ModelShape.from_config(config)
-    trajectory = replace(cfg, max_new_tokens=context - longest)  # an episode may fill the context
+    # the longest trajectory: every turn and tool output at its limit, within the context
+    budget_tokens = min(context - longest, trajectory_budget(fmt, cfg.max_turns, cfg.max_new_tokens))
+    trajectory = replace(cfg, max_new_tokens=budget_tokens)
     in_4bit, why = choose_4bit(trajectory, shape, longest, device)
     budget = MemoryBudget.for_run(trajectory, shape, longest, device, in_4bit) if cfg.memory_budget else None
     check_step_fits(trajectory, shape, longest, device, in_4bit,

@@ -19,6 +19,7 @@ class GGUFInfo:
     architecture: str
     context_length: int | None  # the training context (``{arch}.context_length``), if the file says
     sizes: dict  # Hugging Face config names -> values, for the memory planner (read from the header)
+    name: str = ""  # general.name: localrl writes the model's source (a built-in's directory, say)
 
 
 def read_gguf_info(path: str | Path) -> GGUFInfo:
@@ -41,11 +42,13 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
         arch = str(reader.fields["general.architecture"].contents())
         ctx_field = reader.fields.get(f"{arch}.context_length")
         sizes = _sizes(reader, arch)
+        name_field = reader.fields.get("general.name")
+        name = str(name_field.contents()) if name_field is not None else ""
     except Exception as e:  # gguf-py raises several kinds on damaged headers
         raise UserError(f"model {p}: damaged or truncated GGUF ({_first_line(e)})") from None
     if end > p.stat().st_size:
         raise UserError(f"model {p}: truncated GGUF ({p.stat().st_size} bytes, its tensors need {end})")
-    return GGUFInfo(p, arch, int(ctx_field.contents()) if ctx_field is not None else None, sizes)
+    return GGUFInfo(p, arch, int(ctx_field.contents()) if ctx_field is not None else None, sizes, name)
 
 
 def _sizes(reader, arch: str) -> dict:

@@ -52,7 +52,7 @@ def test_user_reward_by_import_path_and_errors():
 
 
 def test_score_rejects_wrong_length():
-    with pytest.raises(ValueError, match="returned 1 scores for 2"):
+    with pytest.raises(UserError, match="returned 1 scores for 2"):
         score([lambda completions, **_: [1.0]], ["a", "b"], {})
 
 

@@ -271,6 +271,31 @@ def test_agent_runs_the_command_as_edited(tmp_path):
     assert (work / "edited.txt").read_text() == "edited\n"
 
 
+def test_always_remembers_a_prefix_for_the_directory_and_dangerous_lines_are_still_asked(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel([tool_call("echo one >> log.txt"), tool_call("echo two >> log.txt"),
+                           tool_call("sudo echo three"), "done"])
+
+    async def go():
+        app = LocalRLApp(model=model, workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "write a log")
+            await pilot.click("#always")  # allow `echo` here from now on: the second echo is not asked about
+            await wait_for(pilot, lambda: screen.query_one("#approval").display and
+                           screen.query_one("#command").value == "sudo echo three", timeout=30)
+            await pilot.click("#reject")
+            await _agent_done(pilot, screen)
+            return screen.transcript
+
+    transcript = run(go())
+    assert (work / "log.txt").read_text() == "one\ntwo\n"
+    assert any(e["content"].startswith("allowed without asking: you always allow `echo` here") for e in transcript)
+    from localrl.approvals import Approvals
+
+    assert Approvals(work, tmp_path / "data" / "approvals.json").decide("echo x")[0] == "allow"
+
+
 def test_a_rejected_command_never_runs(tmp_path):
     work = tmp_path / "work"
     work.mkdir()

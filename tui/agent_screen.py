@@ -1,11 +1,15 @@
 """The Agent screen: the model works in a shell, one approved command at a time.
 
-The loop (a thread worker): the model replies; each ``<tool_call>`` it makes is shown for the
-user to approve (as is, or edited) or reject before anything runs; approved commands run in
-``localrl.sandbox`` (working directory, timeout, output cap, minimal environment); the
-result, or the refusal, goes back to the model as the next turn. "Approve all" (off by
-default) skips the question for the rest of the session. The transcript is saved after
-every event.
+The loop (a thread worker): the model replies; each ``<tool_call>`` it makes is checked against
+the working directory's remembered decisions (``localrl.approvals``: prefixes always allowed or
+always denied, deny winning; dangerous lines always asked) and otherwise shown for the user to
+approve (as is, or edited), reject, or answer for good ("Always" allows the command's first
+word in this directory from now on, "Never" denies it). Approved commands run in
+``localrl.sandbox`` at the strongest isolation the machine has (shown in the status line); the
+result, or the refusal, goes back to the model as the next turn, as in training. "Approve all"
+(off by default) skips the question for the rest of the session, except for dangerous lines.
+A built-in agent (tiny-shell, a run of it, or its GGUF) gets no system message, as in its
+training; other models get the tool-call instructions. The transcript is saved after every event.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from textual.widgets import Button, Footer, Header, Input, Label, Static, Switch
 from textual.worker import get_current_worker
 
 from localrl.agent import parse_tool_calls, system_message, tool_response
+from localrl.agent_session import agent_system
+from localrl.approvals import Approvals
 from localrl.errors import UserError
 from localrl.sandbox import Sandbox
 from localrl.tui.widgets import Message, save_record
@@ -37,6 +43,7 @@ class AgentScreen(Screen):
     def __init__(self, data_dir: Path, workdir: str | Path = ".", timeout: float = 30.0, max_tokens: int = 512):
         super().__init__()
         self.folder = data_dir / "agent"
+        self.approvals_file = data_dir / "approvals.json"
         self.workdir = str(workdir)
         self.timeout = timeout
         self.max_tokens = max_tokens
@@ -45,6 +52,8 @@ class AgentScreen(Screen):
         self.cancel = threading.Event()
         self._decided = threading.Event()
         self._decision: str | None = None  # the command to run, or None for a refusal
+        self._remember: bool | None = None  # with the decision: remember its first word as allowed / denied
+        self.approvals: Approvals | None = None
         self._worker = None  # the agent loop of the current task
         self.approve_all = False  # mirrors the switch; the worker reads this, never the widget
 
@@ -63,6 +72,8 @@ class AgentScreen(Screen):
             with Horizontal():
                 yield Button("Approve", id="approve", variant="success", compact=True)
                 yield Button("Reject", id="reject", variant="error", compact=True)
+                yield Button("Always", id="always", compact=True)
+                yield Button("Never", id="never", compact=True)
         yield Input(placeholder="Task for the agent (Enter starts it)", id="task")
         yield Footer()
 
@@ -94,6 +105,9 @@ class AgentScreen(Screen):
             self.action_approve()
         elif event.button.id == "reject":
             self.action_reject()
+        elif event.button.id in ("always", "never") and self.query_one("#approval").display:
+            command = self.query_one("#command", Input).value
+            self._decide(command if event.button.id == "always" else None, remember=event.button.id == "always")
 
     def start(self, task: str) -> None:
         if self.app.chat_model is None:
@@ -104,12 +118,15 @@ class AgentScreen(Screen):
             return
         try:
             sandbox = Sandbox(self.query_one("#workdir", Input).value, timeout=self.timeout)
+            system = agent_system("auto", getattr(self.app, "chat_source", ""))
         except UserError as e:
             self.notify(str(e), severity="error")
             return
+        self.approvals = Approvals(sandbox.workdir, self.approvals_file)
         self.cancel.clear()
         self._add("user", task)
-        self._worker = self._run(task, sandbox)
+        self._set_status(f"sandbox: {sandbox.isolation}")
+        self._worker = self._run(task, sandbox, system)
 
     def action_approve(self) -> None:
         if self.query_one("#approval").display:
@@ -123,16 +140,18 @@ class AgentScreen(Screen):
         self.cancel.set()
         self._decide(None)
 
-    def _decide(self, command: str | None) -> None:
+    def _decide(self, command: str | None, remember: bool | None = None) -> None:
         self.query_one("#approval").display = False
-        self._decision = command
+        self._decision, self._remember = command, remember
         self._decided.set()
 
     # -- the agent loop (worker thread) ----------------------------------------------------
 
     @work(thread=True, exclusive=True, group="agent")
-    def _run(self, task: str, sandbox: Sandbox) -> None:
-        messages = [system_message(str(sandbox.workdir)), {"role": "user", "content": task}]
+    def _run(self, task: str, sandbox: Sandbox, system: str | None = "") -> None:
+        first = [system_message(str(sandbox.workdir))] if system == "" else (
+            [{"role": "system", "content": system}] if system else [])
+        messages = [*first, {"role": "user", "content": task}]
         for _ in range(MAX_TURNS):
             reply = self._stream_reply(messages)
             if reply is None:
@@ -168,7 +187,11 @@ class AgentScreen(Screen):
         return None if self.cancel.is_set() else view.text
 
     def _ask(self, command: str) -> str | None:
-        if self.approve_all:
+        decision, why = self.approvals.decide(command)
+        if decision != "ask":
+            self._call(self._add, "tool", f"{'allowed' if decision == 'allow' else 'refused'} without asking: {why}")
+            return command if decision == "allow" else None
+        if self.approve_all and why == "not yet allowed here":  # dangerous or opaque lines are always asked
             return command
         self._decided.clear()
         self._call(self._show_approval, command)
@@ -177,6 +200,10 @@ class AgentScreen(Screen):
             if worker.is_cancelled:  # the app is closing
                 self.cancel.set()
                 return None
+        if self._remember is not None:
+            first_word = (self._decision or command).split()[:1]
+            if first_word:
+                self.approvals.remember(first_word[0], allow=self._remember)
         return self._decision
 
     def _call(self, fn, *args):

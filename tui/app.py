@@ -40,6 +40,7 @@ class LocalRLApp(App):
                  start: str | None = None):
         super().__init__()
         self.chat_model: ChatModel | None = None
+        self.chat_source = ""  # what chat_model was loaded from (a GGUF, a run, a model)
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self._screens = {"train": lambda: TrainScreen(runs_dir, attach),
                          "chat": lambda: ChatScreen(self.data_dir, model if isinstance(model, str) else ""),
@@ -78,12 +79,12 @@ class LocalRLApp(App):
         except Exception as e:  # a broken file: shown, never fatal
             self.call_from_thread(setattr, self, "model_status", f"cannot load {source}: {e}")
             return
-        self.call_from_thread(self._set_model, model, f"model: {source}")
+        self.call_from_thread(self._set_model, model, f"model: {source}", source)
 
-    def _set_model(self, model: ChatModel, status: str) -> None:
+    def _set_model(self, model: ChatModel, status: str, source: str = "") -> None:
         if self.chat_model is not None and self.chat_model is not model:
             self.chat_model.close()
-        self.chat_model = model
+        self.chat_model, self.chat_source = model, source
         self.model_status = status
 
 

@@ -1,0 +1,61 @@
+"""A run's learning curve as a PNG: per-step reward and accuracy (success, for an agent) of the sampled
+rollouts, with the held-out greedy results before and after training. ``localrl plot RUN_DIR``."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from localrl.errors import UserError
+from localrl.metrics import read_metrics
+from localrl.runs import Run
+
+
+def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> Path:
+    """Draw ``run_dir``'s metrics into ``out`` (written atomically); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from localrl.atomic import write_bytes_atomic
+
+    run = Run.open(run_dir)
+    records = read_metrics(run.metrics_path)
+    steps = [r for r in records if r.get("kind") == "train"]
+    if not steps:
+        raise UserError(f"plot {run_dir}: no training steps recorded yet")
+    evals = {r["when"]: r for r in records if r.get("kind") == "eval"}
+    agent = "turns" in steps[0]
+    what = "success" if agent else "accuracy"
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    x = [r["step"] for r in steps]
+    ax.plot(x, [r["accuracy"] for r in steps], color="tab:blue", alpha=0.5, label=f"rollout {what} (sampled)")
+    ax.plot(x, _smooth([r["accuracy"] for r in steps]), color="tab:blue", label=f"rollout {what}, 5-step mean")
+    ax.plot(x, [r["reward_mean"] for r in steps], color="tab:orange", alpha=0.6, label="mean reward")
+    for when, marker, step in (("before", "o", 0), ("after", "s", x[-1])):
+        if when in evals:
+            r = evals[when]
+            lo, hi = r.get("interval", (r["accuracy"], r["accuracy"]))
+            ax.errorbar([step], [r["accuracy"]], yerr=[[r["accuracy"] - lo], [hi - r["accuracy"]]], fmt=marker,
+                        color="black", capsize=4, label=f"held-out {what} {when} ({r['n']}, greedy): "
+                                                       f"{r['accuracy']:.0%}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{what} / reward")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title or run.path.name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    out = Path(out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise UserError(f"plot --out {out}: " + ("is a directory" if out.is_dir() else "its folder does not exist"))
+    write_bytes_atomic(out, buffer.getvalue())
+    return out
+
+
+def _smooth(values: list[float], k: int = 5) -> list[float]:
+    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
