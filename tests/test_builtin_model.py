@@ -49,3 +49,33 @@ def test_recipe_is_deterministic_for_a_seed(tmp_path):
     c = load_file(str(build(tmp_path / "c", replace(quick, seed=1), **quiet) / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
+    from localrl.models.shell_recipe import ShellRecipe
+
+    quick = ShellRecipe(steps=2, batch_size=4, hidden_size=32, intermediate_size=64, layers=1, corpus_tasks=20,
+                        max_positions=512)
+    quiet = {"log": lambda *_: None}
+    a, b = (build(tmp_path / name, quick, **quiet) for name in ("a", "b"))
+    for name in ("model.safetensors", "tokenizer.json", "recipe.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_shipped_agent_is_small_and_makes_well_formed_tool_calls():
+    from localrl.agent import parse_tool_calls
+    from localrl.agent_rollout import TurnFormat
+    from localrl.envs.shell_tasks import held_out_tasks
+    from localrl.models import builtin_path
+    from localrl.rollout import sample_groups, stop_token_ids
+
+    path = builtin_path("tiny-shell")
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
+    model, tok = load_base(str(path), False, pick_device("cpu")), load_tokenizer(str(path))
+    tasks = held_out_tasks(15)
+    fmt = TurnFormat(tok, None)
+    rollout = sample_groups(model, [fmt.prompt_ids(t.instruction) for t in tasks], 1, 48, stop_token_ids(tok, model),
+                            tok.pad_token_id, temperature=0.0)
+    texts = [tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(rollout.completion_ids,
+                                                                                   rollout.completion_mask)]
+    assert sum(len(parse_tool_calls(t)) == 1 for t in texts) >= 14, texts  # its first turn: one command
