@@ -111,7 +111,7 @@ def test_a_crashed_training_subprocess_is_shown_not_fatal(tmp_path):
                   flags="--eval-size 0 --reward tests.test_tui:exploding_reward")
             await pilot.click("#start")
             await wait_for(pilot, lambda: "failed" in screen.status)
-            assert "exit 1" in screen.status and "reward exploded" in screen.status
+            assert "exit 2" in screen.status and "reward exploded" in screen.status
             assert app.is_running  # still up: switch screens and back
             await pilot.press("f2", "f1")
             assert app.screen is screen
@@ -120,7 +120,10 @@ def test_a_crashed_training_subprocess_is_shown_not_fatal(tmp_path):
 
 
 def exploding_reward(completions, **columns):
-    raise RuntimeError("reward exploded")
+    """Passes the preflight's probe (2 made-up completions), fails in the first step."""
+    if len(completions) > 2:
+        raise RuntimeError("reward exploded")
+    return [0.0] * len(completions)
 
 
 def test_attach_watches_a_run_started_elsewhere(tmp_path):
