@@ -32,9 +32,9 @@ def system_message(workdir: str | None = None, approvals: bool = True) -> dict:
     return {"role": "system", "content": SYSTEM_PROMPT.format(where=where, approval=approval)}
 
 
-def parse_tool_calls(text: str) -> list[str]:
-    """The shell commands requested in ``text``; malformed calls are skipped."""
-    commands = []
+def parse_calls(text: str) -> list[tuple[str, dict]]:
+    """Every well-formed tool call in ``text`` as (name, arguments); malformed ones are skipped."""
+    calls = []
     for body in _TOOL_CALL.findall(text):
         try:
             call = json.loads(body)
@@ -46,10 +46,20 @@ def parse_tool_calls(text: str) -> list[str]:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 continue
-        command = args.get("command") if isinstance(args, dict) else None
-        if call.get("name") == "shell" and isinstance(command, str) and command.strip():
-            commands.append(command)
-    return commands
+        if isinstance(call.get("name"), str) and isinstance(args, dict):
+            calls.append((call["name"], args))
+    return calls
+
+
+def parse_tool_calls(text: str) -> list[str]:
+    """The shell commands requested in ``text``; malformed calls are skipped."""
+    return [args["command"] for name, args in parse_calls(text)
+            if name == "shell" and isinstance(args.get("command"), str) and args["command"].strip()]
+
+
+def without_tool_calls(text: str) -> str:
+    """``text`` with its tool-call blocks removed."""
+    return _TOOL_CALL.sub("", text).strip()
 
 
 def tool_response(text: str) -> dict:

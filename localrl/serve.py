@@ -35,6 +35,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from localrl.agent import parse_calls, without_tool_calls
 from localrl.errors import UserError
 from localrl.quant.gguf_info import read_gguf_info
 from localrl.quant.runtime import require_llama_cpp_server
@@ -188,6 +189,80 @@ def _checked_error(status: int, body: bytes) -> dict | None:
     if status >= 500:
         return _error(f"internal error: {_one_line(message)}", "server_error")
     return _error(_one_line(message))
+
+
+class ToolCalls:
+    """ASGI middleware: a chat completion asked for with ``tools`` (not streamed) returns the model's
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in OpenAI's ``tool_calls`` field,
+    with ``finish_reason`` "tool_calls" and the rest of the text as the content, as OpenAI clients expect.
+    The chat template needs no tool support for this: localrl's agents write the Hermes/Qwen tags.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") != CHAT:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not (isinstance(request, dict) and request.get("tools") and not request.get("stream")):
+            return await self.app(scope, replay, send)
+        start, chunks = None, []
+
+        async def capture(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            data = b"".join(chunks)
+            if start["status"] == 200:
+                data = _with_tool_calls(data)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": headers + [(b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data})
+
+        await self.app(scope, replay, capture)
+
+
+def _with_tool_calls(data: bytes) -> bytes:
+    try:
+        response = json.loads(data)
+    except ValueError:
+        return data
+    for choice in response.get("choices", []):
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        calls = parse_calls(text)
+        if not calls:
+            continue
+        message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                                  "function": {"name": name, "arguments": json.dumps(args)}}
+                                 for i, (name, args) in enumerate(calls)]
+        message["content"] = without_tool_calls(text) or None
+        choice["finish_reason"] = "tool_calls"
+    return json.dumps(response).encode()
 
 
 class ValidateRequests:
@@ -359,7 +434,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             raise UserError(f"serve: llama.cpp cannot load {p} with a {n_ctx}-token context ({e})") from None
         # the loaded model, for the checks that need its vocabulary (None if llama-cpp-python moves it)
         proxy = getattr(server_app, "_llama_proxy", None)
-        app = GuardErrors(ValidateRequests(app, api_key, proxy() if proxy is not None else None, p.stem))
+        app = GuardErrors(ValidateRequests(ToolCalls(app), api_key, proxy() if proxy is not None else None, p.stem))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
         log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "
             "(OpenAI-compatible; Ctrl-C stops)")

@@ -48,14 +48,13 @@ def _no_traceback(text: str) -> None:
     assert ".py" not in text and "site-packages" not in text and "/work/" not in text, text
 
 
-@pytest.fixture(scope="module")
-def server(tiny_gguf, tmp_path_factory):
-    """The server with an API key and no --n-ctx: its context is the model's training context."""
+def _serve(gguf, tmp_path_factory, *flags):
+    """A live ``localrl serve`` of ``gguf``; yields its base URL, stops it afterwards."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = log_path.open("w")  # a file, not a pipe: a full pipe would stall a server that logs errors
-    proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(tiny_gguf), "--port", str(port),
-                             "--api-key", "sekrit"], stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(gguf), "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 60
     while True:
@@ -71,6 +70,37 @@ def server(tiny_gguf, tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=20)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf, tmp_path_factory):
+    """The server with an API key and no --n-ctx: its context is the model's training context."""
+    yield from _serve(tiny_gguf, tmp_path_factory, "--api-key", "sekrit")
+
+
+def test_an_agents_tool_calls_come_back_in_openais_tool_calls_field(tmp_path_factory):
+    from localrl.models import builtin_path
+
+    gguf = tmp_path_factory.mktemp("agent") / "tiny-shell.gguf"
+    export(builtin_path("tiny-shell"), gguf, "f16", check=False, log=lambda *_: None)
+    tools = [{"type": "function", "function": {"name": "shell", "description": "run a shell command",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "command": {"type": "string"}}}}}]
+    request = {"messages": [{"role": "user", "content": "How many lines are in maple.txt?"}], "max_tokens": 48,
+               "temperature": 0}
+    for base in _serve(gguf, tmp_path_factory):
+        status, text = _post(f"{base}/chat/completions", json.dumps(request | {"tools": tools}).encode())
+        assert status == 200, text
+        choice = json.loads(text)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["function"]["name"] == "shell"
+        assert "maple" in json.loads(call["function"]["arguments"])["command"]
+        # without tools the same reply stays text, as the model wrote it
+        status, text = _post(f"{base}/chat/completions", json.dumps(request).encode())
+        message = json.loads(text)["choices"][0]["message"]
+        assert "tool_calls" not in message or not message["tool_calls"]
+        assert message["content"].startswith("<tool_call>")
 
 
 QUESTION = {"messages": [{"role": "user", "content": "What is 12 + 34?"}], "max_tokens": 60, "temperature": 0}
