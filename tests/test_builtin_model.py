@@ -3,6 +3,7 @@
 import json
 from dataclasses import replace
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -51,6 +52,7 @@ def test_recipe_is_deterministic_for_a_seed(tmp_path):
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
     from localrl.models.shell_recipe import ShellRecipe
 
@@ -62,6 +64,7 @@ def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_shipped_agent_is_small_and_makes_well_formed_tool_calls():
     from localrl.agent import parse_tool_calls
     from localrl.agent_rollout import TurnFormat
