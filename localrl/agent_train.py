@@ -20,9 +20,9 @@ import torch
 
 from localrl.agent import system_message
 from localrl.agent_rollout import run_episodes
-from localrl.config import TrainConfig
+from localrl.config import TrainConfig, split_list
 from localrl.envs.shell import ShellEnv, TaskSource, generated_tasks, task_list
-from localrl.envs.shell_tasks import ShellTask, held_out_tasks, load_tasks
+from localrl.envs.shell_tasks import FAMILIES, LEVELS, ShellTask, held_out_tasks, load_tasks
 from localrl.errors import UserError
 from localrl.grpo import grpo_step
 from localrl.losses import group_advantages
@@ -53,7 +53,9 @@ def env_setup(cfg: TrainConfig) -> EnvSetup:
     else:
         isolation = cfg.isolation
     if not cfg.env_tasks:
-        return EnvSetup(generated_tasks(held_out=False), held_out_tasks(cfg.eval_size), isolation, cfg)
+        families = tuple(split_list(cfg.env_families)) or FAMILIES
+        levels = tuple(int(lv) for lv in split_list(cfg.env_levels)) or LEVELS
+        return EnvSetup(generated_tasks(False, families, levels), held_out_tasks(cfg.eval_size), isolation, cfg)
     tasks = load_tasks(cfg.env_tasks)
     held = [t for t in tasks if t.is_held_out()]
     train = [t for t in tasks if not t.is_held_out()] or tasks

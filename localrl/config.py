@@ -22,6 +22,7 @@ from localrl.errors import UserError
 BUILTIN_TASKS = ("arith", "words")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's names; the maths is in localrl.losses
 ENVIRONMENTS = ("", "shell")
+SHELL_FAMILIES = ("count", "files", "edit", "csv", "multi")  # localrl.envs.shell_tasks.FAMILIES
 ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandbox's levels, strongest first
 # What ``--env NAME`` changes from the defaults, unless the file or the flags set it: the built-in agent
 # model and sizes that train it on a 2-core CPU
@@ -88,6 +89,9 @@ class TrainConfig:
                       "files and answer); empty: train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
+    env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
+                               "all. The held-out evaluation always covers every family and level")
+    env_levels: str = _f("", "comma-separated difficulty levels to train on (1, 2, 3), for a curriculum; empty: all")
     max_turns: int = _f(4, "model turns per episode, each at most max_new_tokens; an episode ends at its answer")
     env_workers: int = _f(8, "environment steps (sandboxed commands) run at once")
     env_timeout: float = _f(5.0, "seconds a command may run in the sandbox")
@@ -141,6 +145,12 @@ class TrainConfig:
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),
             ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
+            ("env_families", not _unknown(self.env_families, SHELL_FAMILIES),
+             f"must be a comma-separated subset of {', '.join(SHELL_FAMILIES)}"),
+            ("env_levels", not _unknown(self.env_levels, ("1", "2", "3")), "must be a comma-separated subset of 1, 2, 3"),
+            *[(name, not getattr(self, name) or (self.env == "shell" and not self.env_tasks),
+               "applies to the built-in shell tasks (env = 'shell', no env_tasks)") for name in ("env_families",
+                                                                                                  "env_levels")],
             ("max_turns", self.max_turns >= 1, "must be at least 1"),
             ("env_workers", self.env_workers >= 1, "must be at least 1"),
             ("env_timeout", self.env_timeout > 0, "must be positive"),
@@ -166,6 +176,15 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _unknown(listing: str, allowed: tuple[str, ...]) -> list[str]:
+    return [item for item in split_list(listing) if item not in allowed]
+
+
+def split_list(listing: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c']."""
+    return [item.strip() for item in listing.split(",") if item.strip()]
 
 
 def coerce(name: str, value: Any, where: str = "") -> Any:

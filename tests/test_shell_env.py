@@ -149,3 +149,18 @@ def test_tasks_from_a_python_callable(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot load"):
         load_tasks("my_tasks:missing")
     assert isinstance(tasks[0], ShellTask)
+
+
+def test_a_curriculum_restricts_training_tasks_but_not_the_held_out_set():
+    from localrl.agent_train import env_setup
+    from localrl.config import build_config
+
+    setup = env_setup(build_config(None, {"env": "shell", "env_levels": "1", "env_families": "count,edit",
+                                          "eval_size": 30}))
+    drawn = [setup.train(seed) for seed in range(60)]
+    assert {t.level for t in drawn} == {1} and {t.family for t in drawn} == {"count", "edit"}
+    assert not any(t.is_held_out() for t in drawn)
+    assert {t.level for t in setup.held_out} == {1, 2, 3} and len({t.family for t in setup.held_out}) == 5
+    with pytest.raises(UserError, match="applies to the built-in shell tasks"):
+        build_config(None, {"env_levels": "1"})
+

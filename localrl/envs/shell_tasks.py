@@ -29,11 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localrl.config import SHELL_FAMILIES
 from localrl.errors import UserError
 from localrl.rewards import exact_match, numeric_match
 from localrl.tasks.jsonl import json_objects
 
-FAMILIES = ("count", "files", "edit", "csv", "multi")
+FAMILIES = SHELL_FAMILIES
 LEVELS = (1, 2, 3)
 HELD_OUT_ONE_IN = 10
 
