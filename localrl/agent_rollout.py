@@ -17,6 +17,7 @@ episodes that never answered are ``truncated``.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,29 +26,51 @@ import torch
 
 from localrl.agent import tool_response
 from localrl.envs import Environment
+from localrl.errors import UserError
 from localrl.rollout import Rollout, left_pad, sample_groups
 
 TOOL_CALL_END = "</tool_call>"
+SHELL_TOOL = {"type": "function", "function": {
+    "name": "shell", "description": "Run a bash command in the task's working directory; returns its output and exit code.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
+                   "required": ["command"]}}}
 MAX_OBSERVATION_TOKENS = 256  # a tool's output beyond this is cut in the middle before the model sees it
 _SENTINEL = "\u2063LOCALRL\u2063"
 
 
 class TurnFormat:
-    """The tokens the chat template puts around turns, for one tokenizer and system prompt."""
+    """The tokens the chat template puts around turns, for one tokenizer and system prompt.
+
+    A template that takes ``tools`` (Qwen 2.5/3, Hermes-style) is given the shell tool's schema, and one
+    that renders a ``tool`` role gets the observations in that role, so such a model sees the tool
+    format it was tuned on; other templates get the observations as user messages in
+    ``<tool_response>`` tags (what the built-in agent learned, and what any template can carry).
+    """
 
     def __init__(self, tok, system: str | None):
         self.tok = tok
         self.system = system
+        template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+        self.tools = [SHELL_TOOL] if re.search(r"\btools\b", template) else None
+        self.tool_role = bool(re.search(r"""['"]tool['"]""", template))
         self.base = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "x"}]
         if tok.chat_template:
             done = self._render(self.base + [{"role": "assistant", "content": _SENTINEL}])
             self.close = done[done.index(_SENTINEL) + len(_SENTINEL):]  # after an assistant message, e.g. <|im_end|>\n
             self._after_assistant = done
+            probe = self._render(self.base + [{"role": "assistant", "content": _SENTINEL}, self._message("x")], True)
+            if not probe.startswith(done):
+                raise UserError("model's chat template: it rewrites earlier turns when a tool result follows; "
+                                "multi-turn rollouts need a template that only appends")
         else:
             self.close = "\n"
 
+    def _message(self, observation: str) -> dict:
+        return {"role": "tool", "content": observation} if self.tool_role else tool_response(observation)
+
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                            **({"tools": self.tools} if self.tools else {}))
 
     def prompt_ids(self, instruction: str) -> list[int]:
         messages = self.base[:-1] + [{"role": "user", "content": instruction}]
@@ -70,7 +93,7 @@ class TurnFormat:
             if turn_text.endswith(closing[:k]):
                 closing = closing[k:]
                 break
-        message = tool_response(observation)
+        message = self._message(observation)
         if self.tok.chat_template:
             rendered = self._render(self.base + [{"role": "assistant", "content": _SENTINEL}, message], True)
             text = closing + rendered[len(self._after_assistant):]

@@ -32,6 +32,41 @@ def test_the_environments_tokens_are_the_chat_templates(tiny_models):
     assert tok.decode(fmt.prompt_ids("List the files.") + cut + fmt.between(cut, "$ ls\na.txt\n[exit code 0]")) == want
 
 
+TOOLS_TEMPLATE = (  # tools in the system block (as Qwen's), tool results in a turn of their own
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_tools_gets_the_schema_and_the_tool_role(tiny_models):
+    from localrl.agent_rollout import SHELL_TOOL
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    tok.chat_template = TOOLS_TEMPLATE
+    fmt = TurnFormat(tok, "You are an agent.")
+    assert fmt.tools == [SHELL_TOOL] and fmt.tool_role
+    turn = tok(expert_call("ls") + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = fmt.prompt_ids("List the files.") + turn + fmt.between(turn, "a.txt\n[exit code 0]")
+    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "List the files."},
+                {"role": "assistant", "content": expert_call("ls")}, {"role": "tool", "content": "a.txt\n[exit code 0]"}]
+    want = tok.apply_chat_template(messages, tools=[SHELL_TOOL], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids) == want and '"name": "shell"' in want
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_models):
+    from localrl.errors import UserError
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    tok.chat_template = ("{% for m in messages %}{% if loop.last or m.role != 'assistant' %}<|im_start|>{{ m.role }}"
+                         "\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")  # drops all but the last reply
+    with pytest.raises(UserError, match="rewrites earlier turns"):
+        TurnFormat(tok, None)
+
+
 def test_a_turn_is_cut_at_the_first_tool_call_end(tiny_models):
     tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
     ids = tok(expert_call("ls") + " and then more text " + expert_call("pwd"), add_special_tokens=False)["input_ids"]
