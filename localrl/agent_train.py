@@ -20,14 +20,13 @@ import torch
 
 from localrl.agent import system_message
 from localrl.agent_rollout import run_episodes
+from localrl.agent_session import agent_system
 from localrl.config import TrainConfig, split_list
 from localrl.envs.shell import ShellEnv, TaskSource, generated_tasks, task_list
 from localrl.envs.shell_tasks import FAMILIES, LEVELS, ShellTask, held_out_tasks, load_tasks
 from localrl.errors import UserError
-from localrl.grpo import grpo_step
-from localrl.losses import group_advantages
+from localrl.grpo import update
 from localrl.memory import peak_memory_mb
-from localrl.models import builtin_path
 from localrl.sandbox import level_works, strongest_level
 
 
@@ -39,6 +38,7 @@ class EnvSetup:
     held_out: list[ShellTask]
     isolation: str
     cfg: TrainConfig
+    system: str | None  # every episode's system message (None: none)
 
     def make_env(self, tasks: TaskSource | None = None) -> ShellEnv:
         return ShellEnv(tasks or self.train, self.cfg.max_turns, self.cfg.env_timeout, self.isolation)
@@ -52,25 +52,24 @@ def env_setup(cfg: TrainConfig) -> EnvSetup:
         raise UserError(f"config field isolation: {cfg.isolation} does not work on this machine", field="isolation")
     else:
         isolation = cfg.isolation
+    system = agent_system_prompt(cfg.system_prompt, cfg.model)
     if not cfg.env_tasks:
         families = tuple(split_list(cfg.env_families)) or FAMILIES
         levels = tuple(int(lv) for lv in split_list(cfg.env_levels)) or LEVELS
-        return EnvSetup(generated_tasks(False, families, levels), held_out_tasks(cfg.eval_size), isolation, cfg)
+        return EnvSetup(generated_tasks(False, families, levels), held_out_tasks(cfg.eval_size), isolation, cfg,
+                        system)
     tasks = load_tasks(cfg.env_tasks)
     held = [t for t in tasks if t.is_held_out()]
     train = [t for t in tasks if not t.is_held_out()] or tasks
     return EnvSetup(lambda seed: train[random.Random(seed).randrange(len(train))], held[:cfg.eval_size],
-                    isolation, cfg)
+                    isolation, cfg, system)
 
 
 def agent_system_prompt(setting: str, model: str) -> str | None:
-    """The agent's system message: with "auto", the tool-call instructions, except for built-in models,
-    which learned the protocol in pretraining."""
-    if setting == "none":
-        return None
-    if setting == "auto":
-        return None if builtin_path(model) is not None else system_message(None, approvals=False)["content"]
-    return setting
+    """The system message of training episodes: as an agent session's (``agent_session.agent_system``),
+    except that an episode names no directory and has no one to approve."""
+    system = agent_system(setting, model)
+    return system_message(None, approvals=False)["content"] if system == "" else system
 
 
 def task_seeds(cfg: TrainConfig, step: int) -> list[int]:
@@ -80,35 +79,22 @@ def task_seeds(cfg: TrainConfig, step: int) -> list[int]:
 
 
 def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConfig, stops: list[int],
-               system: str | None, max_context: int, budget=None) -> dict:
+               max_context: int, budget=None) -> dict:
     """One whole agentic GRPO step; returns its metrics record."""
     t0 = time.time()
     device = next(model.parameters()).device
     model.eval()
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
     episodes = run_episodes(model, tok, setup.make_env, task_seeds(cfg, step), cfg.group_size, cfg.max_new_tokens,
-                            stops, cfg.temperature, generator, max_context, cfg.env_workers, system)
+                            stops, cfg.temperature, generator, max_context, cfg.env_workers, setup.system)
     t_gen = time.time() - t0
     rollout = episodes.rollout
     rewards = torch.tensor(episodes.rewards, dtype=torch.float64)
-    advantages = group_advantages(rewards, cfg.group_size).float()
-    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
-    if cfg.mask_truncated_completions:  # unanswered episodes still shaped their group's advantages above
+    if cfg.mask_truncated_completions:  # unanswered episodes still shape their group's advantages
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
-    model.train()
-    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
-    if budget is not None:
-        plan = budget.plan(rollout.prompt_ids.size(1), rollout.completion_ids.size(1))
-        if not plan.fits:
-            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
-                            f"memory_budget {cfg.memory_budget} (trajectories of {rollout.completion_ids.size(1)} "
-                            f"tokens)")
-        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
-        if plan.checkpointing:
-            budget.enable_checkpointing(model)
     # dr_grpo's constant: the longest trajectory's model tokens could be max_turns full turns
-    stats = grpo_step(model, optimizer, rollout, advantages, replace(cfg, max_new_tokens=cfg.max_turns *
-                                                                     cfg.max_new_tokens), micro_batch, logits_chunk)
+    stats = update(model, optimizer, rollout, rewards, replace(cfg, max_new_tokens=cfg.max_turns * cfg.max_new_tokens),
+                   step, budget)
     elapsed = time.time() - t0
     model_tokens = int(episodes.rollout.trained_mask.sum())
     return {
@@ -123,12 +109,12 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
         "clip_frac": stats["clip_frac"],
         "completion_len": model_tokens / len(episodes.rewards),
         "truncated": rollout.truncated.float().mean().item(),
-        "frac_reward_zero_std": flat_groups,
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
         "tokens_per_s": model_tokens / max(elapsed, 1e-9),
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": micro_batch or rollout.completion_ids.size(0),
+        "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
         "isolation": setup.isolation,
         **{k: v for k, v in episodes.stats.items() if k != "success"},
@@ -136,8 +122,7 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
 
 
 @torch.no_grad()
-def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], system: str | None,
-                      max_context: int, progress: Callable[[int, int], None] | None = None,
+def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], max_context: int, progress: Callable[[int, int], None] | None = None,
                       batch_size: int = 32, samples: int = 0) -> dict:
     """Greedy episodes of every held-out task: success rate (reward 1) overall and per family, each with
     a 95% Wilson interval, the mean reward, turns and invalid calls per episode."""
@@ -151,7 +136,7 @@ def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list
             progress(i, len(tasks))
         chunk = tasks[i:i + batch_size]
         out = run_episodes(model, tok, lambda: setup.make_env(task_list(chunk)), list(range(len(chunk))), 1,
-                           cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, system)
+                           cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, setup.system)
         for task, episode in zip(chunk, out.episodes):
             by_family[task.family].append(episode.reward)
             if len(shown) < samples:

@@ -483,7 +483,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     with the shared-prompt forward against the concatenated one (median of ``repeats`` each, alternated,
     gradients checked equal). The optimizer never steps, so every repeat sees the same weights."""
     from localrl.agent_rollout import run_episodes
-    from localrl.agent_train import agent_system_prompt, env_setup, task_seeds
+    from localrl.agent_train import env_setup, task_seeds
     from localrl.config import build_config
     from localrl.grpo import grpo_step
     from localrl.losses import group_advantages
@@ -500,7 +500,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     policy.eval()
     out = run_episodes(policy, tok, setup.make_env, task_seeds(cfg, 0), group, max_new_tokens,
                        stop_token_ids(tok, policy), 1.0, torch.Generator().manual_seed(0), context, cfg.env_workers,
-                       agent_system_prompt(cfg.system_prompt, model))
+                       setup.system)
     s = out.stats
     rollout = out.rollout
     advantages = group_advantages(torch.tensor(out.rewards, dtype=torch.float64), group).float()

@@ -77,7 +77,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
 
     cfg.validate()
     if cfg.env:
-        from localrl.agent_train import agent_system_prompt, env_setup, evaluate_episodes
+        from localrl.agent_train import env_setup, evaluate_episodes
 
         setup = env_setup(cfg)
         if not setup.held_out:
@@ -98,8 +98,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
         model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model
     if cfg.env:
         context = getattr(model.config, "max_position_embeddings", None) or 2048
-        result = evaluate_episodes(model, tok, setup, cfg, stop_token_ids(tok, model),
-                                   agent_system_prompt(cfg.system_prompt, cfg.model), context, progress,
+        result = evaluate_episodes(model, tok, setup, cfg, stop_token_ids(tok, model), context, progress,
                                    cfg.eval_batch_size, samples)
     else:
         result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size,

@@ -13,9 +13,34 @@ from contextlib import nullcontext
 import torch
 
 from localrl.config import TrainConfig
-from localrl.losses import grpo_loss, importance_weights, loss_normalizer, masked_mean
+from localrl.errors import UserError
+from localrl.losses import group_advantages, grpo_loss, importance_weights, loss_normalizer, masked_mean
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
+
+
+def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
+           sampler_logp: torch.Tensor | None = None) -> dict:
+    """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages, the memory
+    plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
+    ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
+    advantages = group_advantages(rewards, cfg.group_size).float()
+    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
+    model.train()
+    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
+    if budget is not None:
+        prompt_len, completion_len = rollout.prompt_ids.size(1), rollout.completion_ids.size(1)
+        plan = budget.plan(prompt_len, completion_len)
+        if not plan.fits:
+            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
+                            f"memory_budget {cfg.memory_budget} (prompt {prompt_len} tokens, completions of up to "
+                            f"{completion_len})")
+        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
+        if plan.checkpointing:
+            budget.enable_checkpointing(model)
+    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
+    # groups whose completions all scored alike: nothing to learn
+    return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
 
 
 def _chunks(n: int, size: int) -> list[slice]:

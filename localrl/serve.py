@@ -191,6 +191,30 @@ def _checked_error(status: int, body: bytes) -> dict | None:
     return _error(_one_line(message))
 
 
+async def _read_body(receive) -> bytes:
+    """A request's whole body (a middleware that reads it hands it on with ``_replayer``)."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+def _replayer(body: bytes, receive):
+    """A ``receive`` for the app that gives ``body`` first, then whatever the client sends next."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class ToolCalls:
     """ASGI middleware: a chat completion asked for with ``tools`` (not streamed) returns the model's
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in OpenAI's ``tool_calls`` field,
@@ -204,20 +228,8 @@ class ToolCalls:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") != CHAT:
             return await self.app(scope, receive, send)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        body = await _read_body(receive)
+        replay = _replayer(body, receive)
         try:
             request = json.loads(body)
         except ValueError:
@@ -301,11 +313,7 @@ class ValidateRequests:
             return await _send_json(send, 404, _error(REFUSED[path], code="not_served"))
         if scope["method"] != "POST" or path not in self.models:
             return await self.app(scope, receive, send)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        body = await _read_body(receive)
         problem = self.problem(path, body, scope)
         if problem is not None:
             where, text = problem
@@ -316,15 +324,7 @@ class ValidateRequests:
             request = json.loads(body)
             request["model"] = self.alias
             body = json.dumps(request).encode()
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay = _replayer(body, receive)
         await self.app(scope, replay, send)
 
     @staticmethod

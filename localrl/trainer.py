@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 
 from localrl.agent_rollout import TurnFormat, trajectory_budget
-from localrl.agent_train import EnvSetup, agent_step, agent_system_prompt, env_setup, evaluate_episodes
+from localrl.agent_train import EnvSetup, agent_step, env_setup, evaluate_episodes
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.grpo import grpo_step
-from localrl.losses import group_advantages
+from localrl.grpo import update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
@@ -152,7 +151,7 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
     """Preflight of an agent run: the tasks and sandbox, every held-out prompt against the context, and the
     memory of a step whose completions are whole trajectories (up to the context)."""
     env = env_setup(cfg)
-    fmt = TurnFormat(tok, agent_system_prompt(cfg.system_prompt, cfg.model))
+    fmt = TurnFormat(tok, env.system)
     longest = max((len(fmt.prompt_ids(t.instruction)) for t in env.held_out), default=0)
     if longest + cfg.max_new_tokens > context:
         raise UserError(f"config field max_new_tokens: a held-out task's prompt is {longest} tokens; with "
@@ -278,8 +277,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             for step in range(start, cfg.steps):
                 try:
                     if pre.env:
-                        record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops,
-                                            agent_system_prompt(cfg.system_prompt, cfg.model), pre.context,
+                        record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.context,
                                             pre.budget)
                     else:
                         record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
@@ -342,8 +340,7 @@ def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights,
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
     if pre.env:
-        return evaluate_episodes(model, tok, pre.env, cfg, stops, agent_system_prompt(cfg.system_prompt, cfg.model),
-                                 pre.context, progress, cfg.eval_batch_size)
+        return evaluate_episodes(model, tok, pre.env, cfg, stops, pre.context, progress, cfg.eval_batch_size)
     task = pre.task
     batch_size, generate = cfg.eval_batch_size, None
     if sampler is not None:
@@ -387,19 +384,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
     scores = score(reward_fns, decode_completions(tok, rollout), columns)
     rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
-    advantages = group_advantages(rewards, cfg.group_size).float()
-    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
-    model.train()
-    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
-    if budget is not None:  # re-plan for this batch's real lengths; refuse before running if it cannot fit
-        plan = budget.plan(rollout.prompt_ids.size(1), rollout.completion_ids.size(1))
-        if not plan.fits:
-            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
-                            f"memory_budget {cfg.memory_budget} (prompt {rollout.prompt_ids.size(1)} tokens)")
-        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
-        if plan.checkpointing:
-            budget.enable_checkpointing(model)
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
+    stats = update(model, optimizer, rollout, rewards, cfg, step, budget, sampler_logp)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {
@@ -414,12 +399,12 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "clip_frac": stats["clip_frac"],
         "completion_len": gen_tokens / rollout.completion_ids.size(0),
         "truncated": rollout.truncated.float().mean().item(),
-        "frac_reward_zero_std": flat_groups,  # groups whose completions all scored alike: nothing to learn
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
         "tokens_per_s": gen_tokens / max(elapsed, 1e-9),
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": micro_batch or rollout.completion_ids.size(0),
+        "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
         **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
     }

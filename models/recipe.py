@@ -123,8 +123,12 @@ def encode_example(tok, question: str, completion: str) -> tuple[list[int], list
 def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = [encode_example(tok, p.question, worked_answer(p, rng, recipe.drop_carry))
             for p in sample_problems(rng, recipe.batch_size)]
+    return pad_batch(rows, tok.pad_token_id)
+
+
+def pad_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, loss mask) rows right-padded to one length: (ids, loss mask, attention mask)."""
     n = max(len(ids) for ids, _ in rows)
-    pad = tok.pad_token_id
     ids = torch.tensor([r + [pad] * (n - len(r)) for r, _ in rows])
     mask = torch.tensor([m + [0] * (n - len(m)) for _, m in rows])
     attn = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r, _ in rows])

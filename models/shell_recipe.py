@@ -20,12 +20,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
 
 from localrl.agent_rollout import TurnFormat
 from localrl.envs.shell import ShellEnv, solve, task_list
 from localrl.envs.shell_tasks import sample_tasks
-from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe
+from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe, pad_batch
 
 @dataclass
 class ShellRecipe(Recipe):
@@ -100,12 +99,6 @@ def shell_data(recipe: ShellRecipe, rng: random.Random, log=print):
 
     def batch():  # episodes of similar lengths together, so little of a batch is padding
         start = rng.randrange(len(examples) - recipe.batch_size + 1)
-        rows = [examples[i] for i in by_length[start:start + recipe.batch_size]]
-        n = max(len(ids) for ids, _ in rows)
-        pad = tok.pad_token_id
-        ids = torch.tensor([r + [pad] * (n - len(r)) for r, _ in rows])
-        mask = torch.tensor([m + [0] * (n - len(m)) for _, m in rows])
-        attn = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r, _ in rows])
-        return ids, mask, attn
+        return pad_batch([examples[i] for i in by_length[start:start + recipe.batch_size]], tok.pad_token_id)
 
     return tok, batch
