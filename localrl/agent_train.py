@@ -61,6 +61,11 @@ def env_setup(cfg: TrainConfig) -> EnvSetup:
     tasks = load_tasks(cfg.env_tasks)
     held = [t for t in tasks if t.is_held_out()]
     train = [t for t in tasks if not t.is_held_out()] or tasks
+    if cfg.objective == "sft":  # a warm start learns from the solutions
+        train = [t for t in train if t.solution]
+        if not train:
+            raise UserError(f"config field env_tasks: {cfg.env_tasks}: no training task has a \"solution\" (the "
+                            f"expert's commands) for sft to learn from", field="env_tasks")
     return EnvSetup(lambda seed: train[random.Random(seed).randrange(len(train))], held[:cfg.eval_size],
                     isolation, cfg, system)
 
@@ -125,12 +130,12 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
 def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], max_context: int, progress: Callable[[int, int], None] | None = None,
                       batch_size: int = 32, samples: int = 0) -> dict:
     """Greedy episodes of every held-out task: success rate (reward 1) overall and per family, each with
-    a 95% Wilson interval, the mean reward, turns and invalid calls per episode."""
+    a 95% Wilson interval, the mean reward, turns, tool calls and invalid calls per episode."""
     tasks = setup.held_out
     was_training = model.training
     model.eval()
     by_family: dict[str, list[float]] = defaultdict(list)
-    rewards, turns, invalid, shown = [], 0.0, 0.0, []
+    rewards, turns, calls, invalid, shown = [], 0.0, 0.0, 0.0, []
     for i in range(0, len(tasks), batch_size):
         if progress is not None:
             progress(i, len(tasks))
@@ -145,6 +150,7 @@ def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list
                               "reward": episode.reward})
         rewards += out.rewards
         turns += out.stats["turns"] * len(chunk)
+        calls += out.stats["tool_calls"] * len(chunk)
         invalid += out.stats["invalid_calls"] * len(chunk)
     if progress is not None:
         progress(len(tasks), len(tasks))
@@ -157,6 +163,7 @@ def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list
         "reward_mean": sum(rewards) / max(n, 1),
         "n": n,
         "turns": turns / max(n, 1),
+        "tool_calls": calls / max(n, 1),
         "invalid_calls": invalid / max(n, 1),
         "families": {f: {"success": sum(r == 1.0 for r in rs) / len(rs), "interval": wilson(sum(r == 1.0 for r in rs),
                                                                                             len(rs)), "n": len(rs)}

@@ -26,10 +26,10 @@ from localrl.config import FIELDS, build_config, fields_help, split_overrides
 from localrl.errors import UserError
 
 
-EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "format_weight",
+EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
                "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks", "max_turns", "env_workers",
                "env_timeout", "isolation"]
-FIELD_COMMANDS = {"train": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
+FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
 
 
 class ProgressBar:
@@ -64,8 +64,11 @@ class ProgressBar:
             self.console.print(f"eval {record['when']}: {_eval_line(record)}")
         elif kind == "train":  # the clock starts at the first step, after loading and evaluation
             task = self._task("train", "train", self.total, record["step"] - 1)
-            kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
-            stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
+            if record.get("objective") == "sft":
+                stats = f"loss {record['loss']:.4f}  {record['demos']} demos"
+            else:
+                kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
+                stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
             self.progress.update(task, completed=record["step"], stats=stats)
 
     def close(self) -> None:
@@ -77,8 +80,8 @@ def _eval_line(r: dict) -> str:
     if "families" in r:  # episodes in an environment
         lo, hi = r["interval"]
         return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
-                f"{r['turns']:.1f} turns and {r['invalid_calls']:.2f} invalid calls per episode "
-                f"({r['n']} held-out tasks, greedy)")
+                f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
+                f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
     return f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
 
 
@@ -106,6 +109,10 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         print(f"held-out accuracy ({after['n']} problems, greedy pass@1): "
               f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
     return 130 if result.interrupted else 0
+
+
+def cmd_sft(args: argparse.Namespace, overrides: dict) -> int:
+    return cmd_train(args, overrides if args.resume else {"objective": "sft", **overrides})
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
@@ -379,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sft", help="warm start an agent: fine-tune the adapter on the environment's expert "
+                       "episodes (then: localrl train --init-adapter RUN_DIR)", formatter_class=fields,
+                       allow_abbrev=False, usage="localrl sft [--config FILE.toml] [--resume RUN_DIR] "
+                       "[--FIELD VALUE ...]", epilog="localrl train's config fields, with objective = sft, env = "
+                       "shell and lr = 5e-4 unless set")
+    p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter",
                        formatter_class=fields, allow_abbrev=False, usage="localrl eval [RUN_DIR] [--json] "

@@ -1,6 +1,7 @@
 """The run configuration: one dataclass, a TOML file, and ``--key value`` overrides.
 
-Precedence: field defaults < an environment's preset (``ENV_PRESETS``, with ``env``) <
+Precedence: field defaults < an environment's preset (``ENV_PRESETS``, with ``env``) < an
+objective's (``OBJECTIVE_PRESETS``, with ``objective``) <
 ``--config FILE.toml`` < command-line flags. Every field has
 a default and a one-line help (the ``help`` metadata, also shown by ``localrl train -h``).
 ``parse_overrides`` reads ``--field value`` flags for the CLI and the terminal UI alike;
@@ -20,7 +21,8 @@ from typing import Any
 from localrl.errors import UserError
 
 BUILTIN_TASKS = ("arith", "words")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's names; the maths is in localrl.losses
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.losses
+SCALE_REWARDS = ("group", "batch", "none")
 ENVIRONMENTS = ("", "shell")
 SHELL_FAMILIES = ("count", "files", "edit", "csv", "multi")  # localrl.envs.shell_tasks.FAMILIES
 ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandbox's levels, strongest first
@@ -28,6 +30,10 @@ ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandb
 # model and sizes that train it on a 2-core CPU
 ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,
                          "max_new_tokens": 48, "beta": 0.0, "eval_size": 100, "save_every": 10}}
+OBJECTIVES = ("grpo", "sft")
+# What ``--objective sft`` (``localrl sft``) changes from the defaults, unless the file or the flags set it: a
+# supervised step learns from every demonstration, so it takes a smaller rate than GRPO's sparse signal
+OBJECTIVE_PRESETS = {"sft": {"env": "shell", "lr": 5e-4}}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
@@ -43,7 +49,9 @@ class TrainConfig:
     data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems) or a JSONL file of "
                             "{prompt, answer, ...} rows")
     eval_data: str = _f("", "JSONL file of held-out rows; empty: the task's own held-out split")
-    reward: str = _f("numeric", "correctness reward: numeric, exact, regex, format, or package.module:function")
+    reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format or "
+                                "package.module:function; the first is the correctness reward that accuracy counts")
+    reward_weights: str = _f("", "comma-separated weight of each reward in `reward` (empty: 1 each)")
     format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
     overlong_cache: int = _f(0, "DAPO's soft overlong punishment, added to the reward: a completion longer than "
                                 "max_new_tokens - overlong_cache tokens loses up to 1, linearly (0: off)")
@@ -59,6 +67,11 @@ class TrainConfig:
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
     lora_targets: str = _f("all-linear", "comma-separated module names to adapt, or 'all-linear'")
     unsloth: bool = _f(False, "load through Unsloth's CUDA fast path (needs the 'unsloth' extra and a GPU)")
+    objective: str = _f("grpo", "what a step optimises: 'grpo', or 'sft' (supervised warm start on the environment's "
+                                "expert episodes, as `localrl sft` runs it; needs env)")
+    init_adapter: str = _f("", "start from this adapter instead of a fresh one: a run directory (its newest "
+                               "checkpoint, e.g. a `localrl sft` run) or a PEFT adapter directory, trained on the "
+                               "same base with the same LoRA settings")
     # GRPO
     steps: int = _f(40, "optimizer steps (each on a fresh batch of prompts)")
     prompts_per_step: int = _f(16, "prompts per step; each gets group_size completions")
@@ -71,11 +84,32 @@ class TrainConfig:
     rollout_is: str = _f("sequence_mask", "importance weights for completions llama.cpp sampled: token_truncate, "
                                           "token_mask, sequence_truncate, sequence_mask (TRL's modes) or none")
     rollout_is_cap: float = _f(3.0, "importance weight cap: larger weights are clipped (truncate) or zeroed (mask)")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: groups whose rewards are all equal are set aside "
+                                       "and more prompts sampled until prompts_per_step groups differ (prompts, "
+                                       "not env episodes)")
+    dynamic_sampling_rounds: int = _f(3, "dynamic sampling: extra rounds of prompts_per_step prompts at most, per step")
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
-    loss_type: str = _f("grpo", "how token losses are averaged, as TRL names it: grpo (each completion's mean, "
-                                "then over completions), bnpo / dapo (over all tokens of the step), dr_grpo "
-                                "(token sum / (completions x max_new_tokens): no length bias)")
-    epsilon: float = _f(0.2, "clipping range of the policy ratio")
+    loss_type: str = _f("grpo", "the policy loss, as TRL names it: grpo (each completion's mean, then over "
+                                "completions), bnpo / dapo (over all tokens of the step), dr_grpo (token sum / "
+                                "(completions x max_new_tokens): no length bias), cispo (clipped detached ratio x "
+                                "log-prob), sapo (soft gate), luspo (each completion's sum), vespo (gamma weight)")
+    importance_sampling_level: str = _f("token", "policy ratio per 'token', or per 'sequence' (GSPO: the exponent of "
+                                                 "the completion's mean log-ratio)")
+    epsilon: float = _f(0.2, "clipping range of the policy ratio (its lower side, when epsilon_high is set)")
+    epsilon_high: float = _f(0.0, "upper clipping range (DAPO's clip-higher, e.g. 0.28); for cispo the cap on the "
+                                  "ratio itself (e.g. 5.0); 0: epsilon")
+    delta: float = _f(0.0, "two-sided clipping (INTELLECT-2): cap on the unclipped ratio, e.g. 1.5 (> 1 + epsilon); "
+                           "0: off")
+    scale_rewards: str = _f("group", "divide advantages by the reward std of each 'group', of the 'batch', or "
+                                     "'none' (Dr. GRPO)")
+    use_bias_correction_kl: bool = _f(True, "multiply the KL term by the policy ratio (DeepSeek-V3.2's unbiased "
+                                            "reverse-KL gradient), as TRL does by default")
+    sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages")
+    sapo_temperature_neg: float = _f(1.05, "sapo: temperature of the soft gate for the others")
+    vespo_k_pos: float = _f(2.0, "vespo: exponent k of the gamma weight for non-negative advantages")
+    vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda of the gamma weight for non-negative advantages")
+    vespo_k_neg: float = _f(3.0, "vespo: exponent k for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "vespo: rate lambda for negative advantages")
     beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
     lr: float = _f(2e-3, "AdamW learning rate of the adapter")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -119,7 +153,17 @@ class TrainConfig:
             ("prompts_per_step", self.prompts_per_step >= 1, "must be at least 1"),
             ("temperature", self.temperature > 0, "must be positive (rollouts are sampled)"),
             ("num_iterations", self.num_iterations >= 1, "must be at least 1"),
+            ("dynamic_sampling_rounds", self.dynamic_sampling_rounds >= 1, "must be at least 1"),
+            ("dynamic_sampling", not (self.dynamic_sampling and self.env), "applies to prompts, not env episodes"),
             ("epsilon", 0 < self.epsilon < 1, "must be in (0, 1)"),
+            ("epsilon_high", self.epsilon_high >= 0, "must be non-negative (0: epsilon)"),
+            ("delta", self.delta == 0 or self.delta > 1, "must be 0 (off) or above 1"),
+            ("importance_sampling_level", self.importance_sampling_level in ("token", "sequence"),
+             "must be token or sequence"),
+            ("scale_rewards", self.scale_rewards in SCALE_REWARDS, f"must be one of {', '.join(SCALE_REWARDS)}"),
+            *[(name, getattr(self, name) > 0, "must be positive") for name in (
+                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                "vespo_lambda_neg")],
             ("beta", self.beta >= 0, "must be non-negative"),
             ("lr", self.lr > 0, "must be positive"),
             ("weight_decay", self.weight_decay >= 0, "must be non-negative"),
@@ -143,6 +187,9 @@ class TrainConfig:
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
+            ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
+            ("objective", self.objective != "sft" or bool(self.env),
+             "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
             ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),
             ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
             ("env_families", not _unknown(self.env_families, SHELL_FAMILIES),
@@ -307,6 +354,8 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         values.update(load_toml(file))
     for k, v in (overrides or {}).items():
         values[k] = coerce(k, v)
+    for k, v in OBJECTIVE_PRESETS.get(values.get("objective", ""), {}).items():
+        values.setdefault(k, v)
     for k, v in ENV_PRESETS.get(values.get("env", ""), {}).items():
         values.setdefault(k, v)
     return TrainConfig(**values).validate()

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from localrl.errors import UserError
-from localrl.rewards import RewardFn, combine, reward_name, score
+from localrl.rewards import RewardFn, combine, reward_names, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
                              stop_token_ids)
 
@@ -55,8 +55,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         for row, text, *each in zip(chunk, texts, *scores):
             if len(shown) < samples:
                 shown.append({"prompt": row["prompt"], "answer": row["answer"], "completion": text,
-                              "rewards": {reward_name(fn, i): round(x, 4)
-                                          for i, (fn, x) in enumerate(zip(rewards, each))}})
+                              "rewards": {name: round(x, 4) for name, x in zip(reward_names(rewards), each)}})
     if progress is not None:
         progress(len(rows), len(rows))
     model.train(was_training)
@@ -83,7 +82,8 @@ def evaluate_policy(cfg, run: str | Path | None = None,
         if not setup.held_out:
             raise UserError(f"env_tasks {cfg.env_tasks}: no held-out tasks to evaluate on", field="env_tasks")
     else:
-        rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
+        rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens,
+                                           cfg.reward_weights)
         task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
         if not task.held_out:
             raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "

@@ -14,7 +14,8 @@ import torch
 
 from localrl.config import TrainConfig
 from localrl.errors import UserError
-from localrl.losses import group_advantages, grpo_loss, importance_weights, loss_normalizer, masked_mean
+from localrl.losses import (LossSettings, group_advantages, grpo_loss, importance_weights, loss_normalizer,
+                            masked_mean)
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
@@ -24,26 +25,33 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages, the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
-    advantages = group_advantages(rewards, cfg.group_size).float()
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).float()
     flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     model.train()
-    micro_batch, logits_chunk = cfg.micro_batch_size, 1024
-    if budget is not None:
-        prompt_len, completion_len = rollout.prompt_ids.size(1), rollout.completion_ids.size(1)
-        plan = budget.plan(prompt_len, completion_len)
-        if not plan.fits:
-            raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
-                            f"memory_budget {cfg.memory_budget} (prompt {prompt_len} tokens, completions of up to "
-                            f"{completion_len})")
-        micro_batch, logits_chunk = plan.micro_batch, plan.logits_chunk
-        if plan.checkpointing:
-            budget.enable_checkpointing(model)
+    micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
     stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
 
 
-def _chunks(n: int, size: int) -> list[slice]:
+def batch_plan(model, rollout: Rollout, cfg: TrainConfig, step: int, budget=None) -> tuple[int, int]:
+    """(micro-batch, logits chunk) of this batch's update: ``micro_batch_size`` without a budget, else the
+    budget's plan for the batch's real lengths (turning on checkpointing where it says so); a batch that
+    cannot fit is refused before anything runs."""
+    if budget is None:
+        return cfg.micro_batch_size, 1024
+    prompt_len, completion_len = rollout.prompt_ids.size(1), rollout.completion_ids.size(1)
+    plan = budget.plan(prompt_len, completion_len)
+    if not plan.fits:
+        raise UserError(f"step {step + 1}: predicted peak {plan.peak_bytes / 2**30:.2f} GiB exceeds "
+                        f"memory_budget {cfg.memory_budget} (prompt {prompt_len} tokens, completions of up to "
+                        f"{completion_len})")
+    if plan.checkpointing:
+        budget.enable_checkpointing(model)
+    return plan.micro_batch, plan.logits_chunk
+
+
+def row_slices(n: int, size: int) -> list[slice]:
     size = size or n
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -54,6 +62,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
     device = next(model.parameters()).device
     n = loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens)  # of the whole batch
+    settings = LossSettings.of(cfg)
     if cfg.beta == 0:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
@@ -68,7 +77,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
             if sampler_logp is not None:
                 sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
     trained = rollout.completion_ids.size(0)
-    chunks = _chunks(trained, micro_batch)
+    chunks = row_slices(trained, micro_batch)
     mask = rollout.trained_mask.to(device)  # the tokens the loss covers (the model's own, in a multi-turn rollout)
     adv = advantages.to(device)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
@@ -93,8 +102,8 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
                 old_logp = old[i] if old is not None else logp.detach()
                 is_weights = importance_weights(old_logp, sampler_logp[c], mask[c], cfg.rollout_is,
                                                 cfg.rollout_is_cap) if correct else None
-                loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], cfg.epsilon,
-                                        ref[i] if ref is not None else None, cfg.beta, is_weights, cfg.loss_type)
+                loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], settings,
+                                        ref[i] if ref is not None else None, is_weights)
                 (loss / n).backward()
                 weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
                 if correct:  # the mean weight, over rows (sequence modes) or tokens

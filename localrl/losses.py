@@ -1,23 +1,34 @@
-"""GRPO math: group-relative advantages, masked means, the clipped policy loss and the KL penalty.
+"""GRPO math: group-relative advantages, masked means, the policy losses of the GRPO family and the KL penalty.
 
-Pure tensor functions with no model in sight, so each is tested against hand-computed values.
-Conventions follow the GRPO paper (DeepSeekMath) and TRL's ``loss_type="grpo"``:
-- advantages are standardised within each prompt's group: (r - mean) / (std + eps),
-  with the unbiased standard deviation;
-- the per-token loss is PPO's clipped surrogate, plus ``beta`` times the k3 KL estimator
-  against the reference (base) policy;
-- how token losses become the step's loss is TRL's ``loss_type``: ``grpo`` averages each
-  completion's tokens, then the completions (the paper's; a long completion's tokens weigh less,
-  which lets wrong answers grow long); ``bnpo`` and ``dapo`` (DAPO) average over every token of the
-  step; ``dr_grpo`` (Dr. GRPO) sums the tokens and divides by completions x the longest allowed
-  length, a constant, so no length bias. The divisor is taken from the whole step's batch before
-  it is split into micro-batches (``loss_normalizer``), so the gradient never depends on the split;
+Pure tensor functions with no model in sight, each tested against hand-computed values and against
+TRL's own ``GRPOTrainer`` code (tests/test_trl_parity.py). Names and meanings are TRL's:
+- advantages are each reward minus its group's mean, divided (``scale_rewards``) by the group's
+  unbiased standard deviation (``group``, the GRPO paper's), the whole batch's (``batch``), or not at
+  all (``none``, Dr. GRPO's);
+- the importance ratio of the policy to the one that sampled is per token, or per sequence
+  (``importance_sampling_level = "sequence"``: the exponent of the mean log-ratio, GSPO's);
+- the per-token loss is PPO's clipped surrogate with a lower and an upper range (``epsilon``,
+  ``epsilon_high``: DAPO's clip-higher) and an optional cap on the unclipped ratio (``delta``:
+  INTELLECT-2's two-sided clipping), or CISPO's clipped, detached ratio times the log-probability
+  (MiniMax-M1), SAPO's soft sigmoid gate, or VESPO's gamma weight of the sequence ratio; plus
+  ``beta`` times the k3 KL estimator against the reference policy, multiplied by the ratio
+  (``use_bias_correction_kl``: an unbiased gradient of the reverse KL, as DeepSeek-V3.2);
+- how token losses become the step's loss is ``loss_type``: ``grpo`` and ``sapo`` average each
+  completion's tokens, then the completions (a long completion's tokens weigh less, which lets wrong
+  answers grow long); ``bnpo``, ``dapo``, ``cispo`` and ``vespo`` average over every token of the step;
+  ``dr_grpo`` sums the tokens and divides by completions x the longest allowed length, a constant,
+  so no length bias; ``luspo`` sums each completion's tokens and averages the completions. The
+  divisor is taken from the whole step's batch before it is split into micro-batches
+  (``loss_normalizer``), so the gradient never depends on the split;
 - completions sampled by another engine (llama.cpp) carry importance weights, the ratio of
   the training policy's probability to the sampler's, truncated or masked as TRL's
-  ``vllm_importance_sampling_mode`` does, and multiplied into each token's loss.
+  ``vllm_importance_sampling_mode`` does, and multiplied into each token's policy loss.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -26,16 +37,22 @@ from localrl.config import IS_MODES, LOSS_TYPES
 ADV_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
     """Advantage of each completion relative to the other completions of its prompt.
 
-    ``rewards`` is [B*G] in prompt-major order; returns [B*G]. A group whose rewards are
-    all equal gets zero advantage (no signal), never a division by zero.
+    ``rewards`` is [B*G] in prompt-major order; returns [B*G]: the reward minus its group's mean, divided by
+    the unbiased standard deviation of the group (``scale="group"``) or of the whole batch (``"batch"``), or
+    not (``"none"``). A group whose rewards are all equal gets zero advantage (no signal), never a
+    division by zero.
     """
     r = rewards.view(-1, group_size)  # [B, G]
     adv = r - r.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + ADV_EPS)
+    elif scale == "batch":
+        adv = adv / ((r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)) + ADV_EPS)
+    elif scale != "none":
+        raise ValueError(f"unknown scale_rewards {scale!r}; use group, batch or none")
     flat = (r == r[:, :1]).all(dim=1, keepdim=True)  # exactly 0 there, not the mean's rounding error
     return adv.masked_fill(flat, 0.0).reshape(-1)
 
@@ -73,55 +90,121 @@ def importance_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: tor
     raise ValueError(f"unknown importance sampling mode {mode!r}; use one of {', '.join(IS_MODES)}")
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The settings that shape the policy loss, by TRL's names (``TrainConfig`` holds the same fields)."""
+
+    loss_type: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0  # 0: epsilon; for cispo, the cap on the ratio itself
+    delta: float = 0.0  # 0: off; else the unclipped ratio is capped at delta
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def of(cls, cfg) -> "LossSettings":
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, s: LossSettings,
+                  sampler_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's gradient scale phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w (the sum of the
+    token log-ratios, with the sampler's weights folded in), k and lambda by the advantage's sign; [N, 1],
+    no gradient."""
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [N, 1]
+        if sampler_weights is not None:
+            log_is = torch.log(sampler_weights).clamp(floor, 20.0)
+            log_w = log_w + log_is.sum(-1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        positive = advantages >= 0
+        k = torch.where(positive, s.vespo_k_pos, s.vespo_k_neg)
+        lam = torch.where(positive, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    epsilon: float = 0.2,
+    settings: LossSettings = LossSettings(),
     ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
     weights: torch.Tensor | None = None,
-    loss_type: str = "grpo",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped GRPO loss of the rows given, not yet divided by ``loss_normalizer`` of the whole batch.
+    """The policy loss of the rows given, not yet divided by ``loss_normalizer`` of the whole batch.
 
-    logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N]; weights: importance
-    weights ([N, R] or [N, 1]) multiplied into each token's loss, KL included, as TRL does.
-    Returns the sum over rows of each row's token-mean loss (``grpo``) or of every token's loss
-    (the others), so that micro-batches add up exactly to the loss of the whole batch, and per-batch
-    statistics.
+    logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N]; weights: the sampler's
+    importance weights ([N, R] or [N, 1]), multiplied into each token's policy loss (not the KL), as TRL
+    does. Returns the sum over rows of each row's token mean (``grpo``, ``sapo``) or of every token's loss
+    (the others), so that micro-batches add up exactly to the loss of the whole batch, and statistics.
     """
-    ratio = torch.exp(logp - old_logp)  # [N, R]
+    s = settings
+    eps_high = s.epsilon_high or s.epsilon
     adv = advantages[:, None]  # [N, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon) * adv
-    per_token = -torch.minimum(unclipped, clipped)  # [N, R]
-    stats = {"clip_frac": masked_mean((clipped < unclipped).float(), mask).item()}  # clip active: no gradient
-    if ref_logp is not None and beta > 0:
-        kl = kl_k3(logp, ref_logp)
-        per_token = per_token + beta * kl
-        stats["kl"] = masked_mean(kl, mask).item()
+    maskf = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [N, R]
+    if s.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, of the mean log-ratio
+        log_ratio_used = (log_ratio * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)
+    elif s.importance_sampling_level == "token":
+        log_ratio_used = log_ratio
+    else:
+        raise ValueError(f"unknown importance_sampling_level {s.importance_sampling_level!r}; use token or sequence")
+    ratio = torch.exp(log_ratio_used)  # [N, R] or [N, 1]
+    stats: dict[str, float] = {"clip_frac": 0.0}
+    if s.loss_type == "cispo":
+        capped = torch.clamp(ratio, max=eps_high).detach()
+        per_token = -capped * adv * logp
+        clipped = (ratio > eps_high) & (adv > 0)
+    elif s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        clipped_ratio = torch.clamp(ratio, 1.0 - s.epsilon, 1.0 + eps_high)
+        unclipped_ratio = torch.clamp(ratio, max=s.delta) if s.delta else ratio
+        per_token = -torch.minimum(unclipped_ratio * adv, clipped_ratio * adv)
+        clipped = clipped_ratio * adv < unclipped_ratio * adv  # the clip is active: no gradient
+    elif s.loss_type == "sapo":
+        temperature = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        per_token = -torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature * adv
+        clipped = None
+    elif s.loss_type == "vespo":
+        per_token = -vespo_weights(advantages[:, None], log_ratio, maskf, s, weights) * adv * logp
+        clipped, weights = None, None  # the sampler's weights are folded into phi
+    else:
+        raise ValueError(f"unknown loss type {s.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+    if clipped is not None:
+        stats["clip_frac"] = masked_mean(clipped.expand_as(logp).float(), mask).item()
     if weights is not None:
         per_token = per_token * weights
-    if loss_type == "grpo":
-        loss = masked_mean(per_token, mask, dim=1).sum()
-    elif loss_type in LOSS_TYPES:
-        loss = (per_token * mask.to(per_token.dtype)).sum()
+    if ref_logp is not None and s.beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        stats["kl"] = masked_mean(kl, mask).item()
+        if s.use_bias_correction_kl:
+            kl = kl * ratio
+        per_token = per_token + s.beta * kl
+    if s.loss_type in ("grpo", "sapo"):
+        loss = ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).sum()
     else:
-        raise ValueError(f"unknown loss type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        loss = (per_token * maskf).sum()
     return loss, stats
 
 
 def loss_normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
     """What the summed loss of a step's batch (``mask``: [N, R], every completion of the step) is divided
-    by: N for ``grpo``, the number of completion tokens for ``bnpo`` and ``dapo``, N x the longest
-    allowed completion for ``dr_grpo``. TRL divides each micro-batch by its own count for ``bnpo``;
+    by: N for ``grpo``, ``sapo`` and ``luspo``, the number of completion tokens for ``bnpo``, ``dapo``,
+    ``cispo`` and ``vespo``, N x the longest allowed completion for ``dr_grpo``. TRL divides each micro-batch by its own count for ``bnpo``;
     here both token-averaged types use the whole batch's, so the gradient does not depend on the split."""
     rows = mask.size(0)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo", "luspo"):
         return float(rows)
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
         return max(float(mask.sum()), 1.0)
     if loss_type == "dr_grpo":
         return float(rows * max_completion_length)

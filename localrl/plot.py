@@ -1,5 +1,6 @@
 """A run's learning curve as a PNG: per-step reward and accuracy (success, for an agent) of the sampled
-rollouts, with the held-out greedy results before and after training. ``localrl plot RUN_DIR``."""
+rollouts (for a warm start, the loss on the expert episodes), with the held-out greedy results before
+and after training. ``localrl plot RUN_DIR``."""
 
 from __future__ import annotations
 
@@ -30,9 +31,16 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
     what = "success" if agent else "accuracy"
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     x = [r["step"] for r in steps]
-    ax.plot(x, [r["accuracy"] for r in steps], color="tab:blue", alpha=0.5, label=f"rollout {what} (sampled)")
-    ax.plot(x, _smooth([r["accuracy"] for r in steps]), color="tab:blue", label=f"rollout {what}, 5-step mean")
-    ax.plot(x, [r["reward_mean"] for r in steps], color="tab:orange", alpha=0.6, label="mean reward")
+    handles = []
+    if steps[0].get("objective") == "sft":  # no rollouts: the loss on the expert episodes
+        loss_ax = ax.twinx()
+        handles += loss_ax.plot(x, [r["loss"] for r in steps], color="tab:red", label="loss on expert episodes")
+        loss_ax.set_ylabel("loss (per agent token)")
+        loss_ax.set_ylim(bottom=0)
+    else:
+        ax.plot(x, [r["accuracy"] for r in steps], color="tab:blue", alpha=0.5, label=f"rollout {what} (sampled)")
+        ax.plot(x, _smooth([r["accuracy"] for r in steps]), color="tab:blue", label=f"rollout {what}, 5-step mean")
+        ax.plot(x, [r["reward_mean"] for r in steps], color="tab:orange", alpha=0.6, label="mean reward")
     for when, marker, step in (("before", "o", 0), ("after", "s", x[-1])):
         if when in evals:
             r = evals[when]
@@ -45,7 +53,7 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
     ax.set_ylim(0, 1.02)
     ax.set_title(title or run.path.name)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="lower right")
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

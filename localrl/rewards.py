@@ -142,11 +142,35 @@ def resolve_reward(spec: str) -> RewardFn:
                     field="reward")
 
 
-def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0,
-                    max_new_tokens: int = 0) -> tuple[list[RewardFn], list[float]]:
-    """The correctness reward named in a config, then the weighted format reward, then (with an
-    ``overlong_cache``) the soft overlong punishment at weight 1, as in DAPO."""
-    fns, weights = [resolve_reward(reward), format_reward], [1.0, format_weight]
+def resolve_rewards(spec: str, weights: str = "") -> tuple[list[RewardFn], list[float]]:
+    """The rewards a config names (``spec``: comma-separated names or ``package.module:function``) and their
+    weights (``weights``: comma-separated numbers, one per reward; empty: 1 each)."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise UserError("config field reward: names no reward", field="reward")
+    fns = [resolve_reward(name) for name in names]
+    if not weights.strip():
+        return fns, [1.0] * len(fns)
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise UserError(f"config field reward_weights: {weights!r} is not a comma-separated list of numbers",
+                        field="reward_weights") from None
+    if len(values) != len(fns):
+        raise UserError(f"config field reward_weights: {len(values)} weights for {len(fns)} rewards ({spec})",
+                        field="reward_weights")
+    if not all(math.isfinite(v) for v in values):
+        raise UserError(f"config field reward_weights: {weights!r} must be finite numbers", field="reward_weights")
+    return fns, values
+
+
+def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, max_new_tokens: int = 0,
+                    reward_weights: str = "") -> tuple[list[RewardFn], list[float]]:
+    """The rewards named in a config (the first is the correctness reward that accuracy counts), each at its
+    weight, then the weighted format reward, then (with an ``overlong_cache``) the soft overlong punishment
+    at weight 1, as in DAPO."""
+    fns, weights = resolve_rewards(reward, reward_weights)
+    fns, weights = fns + [format_reward], weights + [format_weight]
     if overlong_cache > 0:
         fns.append(overlong_punishment(max_new_tokens, overlong_cache))
         weights.append(1.0)
@@ -156,6 +180,17 @@ def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0,
 def reward_name(fn: RewardFn, index: int) -> str:
     """How a reward is called in metrics and samples: its function name, else its position."""
     return getattr(fn, "__name__", f"reward{index}")
+
+
+def reward_names(fns: list[RewardFn]) -> list[str]:
+    """Each reward's name in metrics, made distinct where two share one (``numeric``, ``numeric_2``)."""
+    names: list[str] = []
+    for i, fn in enumerate(fns):
+        name, k = reward_name(fn, i), 2
+        while name in names:
+            name, k = f"{reward_name(fn, i)}_{k}", k + 1
+        names.append(name)
+    return names
 
 
 def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str, list]) -> list[list[float]]:

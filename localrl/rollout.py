@@ -44,6 +44,24 @@ class Rollout:
                        None if self.loss_mask is None else self.loss_mask[rows, :width])
 
 
+def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts of one group size as one, in order: prompts left-padded and completions right-padded to the
+    widest."""
+    import torch.nn.functional as F
+
+    p = max(r.prompt_ids.size(1) for r in rollouts)
+    w = max(r.completion_ids.size(1) for r in rollouts)
+    left = lambda t, value: F.pad(t, (p - t.size(1), 0), value=value)  # noqa: E731
+    right = lambda t, value: F.pad(t, (0, w - t.size(1)), value=value)  # noqa: E731
+    losses = None if all(r.loss_mask is None for r in rollouts) else [right(r.trained_mask, 0) for r in rollouts]
+    return Rollout(torch.cat([left(r.prompt_ids, pad_id) for r in rollouts]),
+                   torch.cat([left(r.prompt_mask, 0) for r in rollouts]),
+                   torch.cat([right(r.completion_ids, pad_id) for r in rollouts]),
+                   torch.cat([right(r.completion_mask, 0) for r in rollouts]),
+                   torch.cat([r.truncated for r in rollouts]), rollouts[0].group_size,
+                   None if losses is None else torch.cat(losses))
+
+
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack variable-length sequences with padding on the left; returns ids and mask."""
     n = max(len(s) for s in seqs)

@@ -43,6 +43,7 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the adapter weights
+ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-")
 
@@ -169,8 +170,9 @@ class Run:
         if base_fingerprint is not None:
             write_text_atomic(self.path / BASE, json.dumps(base_fingerprint, indent=1) + "\n")
 
-    def check_base(self, fingerprint: dict) -> None:
-        """Stop a resume whose base weights are not the ones the run was trained on."""
+    def check_base(self, fingerprint: dict, what: str = "resume") -> None:
+        """Stop a resume (or another use of the run's adapter, ``what``) whose base weights are not the ones
+        the run was trained on."""
         path = self.path / BASE
         if not path.exists():
             return  # runs from before fingerprints; the next config write records one
@@ -179,11 +181,11 @@ class Run:
             if not isinstance(saved, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as e:
-            raise UserError(f"resume {self.path}: {path.name} is damaged ({e}), so the base weights cannot be checked; "
+            raise UserError(f"{what} {self.path}: {path.name} is damaged ({e}), so the base weights cannot be checked; "
                             f"restore it, or delete it to resume without the check") from None
         if saved.get("fingerprint") and fingerprint.get("fingerprint") and \
                 saved["fingerprint"] != fingerprint["fingerprint"]:
-            raise UserError(f"resume {self.path}: model {fingerprint['model']} is not the base this run was trained "
+            raise UserError(f"{what} {self.path}: model {fingerprint['model']} is not the base this run was trained "
                             f"on ({saved.get('model')}, {saved.get('path')}): its weights differ", field="model")
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -314,6 +316,57 @@ def load_merged(source: str | Path, check: Callable | None = None):
     return load_full(path).eval(), tok, Path(path), f"full-precision (float32) weights of {path}"
 
 
+def adapter_source(cfg: TrainConfig, fingerprint: dict) -> Path:
+    """The adapter directory that ``cfg.init_adapter`` names: a run's newest checkpoint (a run of other base
+    weights than ``fingerprint``'s is refused) or a PEFT adapter directory, with this run's LoRA rank and alpha."""
+    p = Path(cfg.init_adapter)
+    where = f"config field init_adapter: {p}"
+    if not p.is_dir():
+        raise UserError(f"{where}: no such directory", field="init_adapter")
+    if is_run(p):
+        run = Run(p)
+        run.check_base(fingerprint, "init_adapter")
+        source = run.latest_checkpoint()
+        if source is None:
+            raise UserError(f"{where}: the run has no checkpoint yet", field="init_adapter")
+    elif (p / ADAPTER_FILE).is_file():
+        source = p
+    else:
+        raise UserError(f"{where}: neither a run directory nor a PEFT adapter directory (no {ADAPTER_FILE})",
+                        field="init_adapter")
+    try:
+        saved = json.loads((source / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        saved = {}
+    r, alpha = saved.get("r"), saved.get("lora_alpha")
+    if (r is not None and r != cfg.lora_rank) or (alpha is not None and alpha != cfg.lora_alpha):
+        raise UserError(f"{where}: its adapter has LoRA rank {r} and alpha {alpha}, this run {cfg.lora_rank} and "
+                        f"{cfg.lora_alpha} (set --lora-rank {r} --lora-alpha {alpha})", field="init_adapter")
+    return source
+
+
+def load_adapter_weights(model, source: Path) -> None:
+    """Set ``model``'s LoRA weights to those of the adapter directory ``source`` (``adapter_source``)."""
+    from safetensors.torch import load_file
+
+    try:
+        _set_adapter(model, load_file(str(source / ADAPTER_FILE)))
+    except Exception as e:
+        raise UserError(f"config field init_adapter: {source}: does not fit this model's adapter ({_first_line(e)}; "
+                        f"were its lora_targets the same?)", field="init_adapter") from None
+
+
+def _set_adapter(model, weights: dict) -> None:
+    from peft import set_peft_model_state_dict
+
+    expected = {k for k in model.state_dict() if "lora_" in k}
+    if not weights or len(weights) != len(expected):
+        raise ValueError(f"{len(weights)} adapter tensors, the model has {len(expected)}")
+    result = set_peft_model_state_dict(model, weights)
+    if result.unexpected_keys:
+        raise ValueError(f"unexpected adapter keys {result.unexpected_keys[:3]}")
+
+
 def base_fingerprint(model: str) -> dict:
     """What base.json records: the model's name, where it resolved, and a fingerprint of its weights."""
     from localrl.modeling import resolve_model, weights_fingerprint
@@ -332,18 +385,12 @@ def _rng_state() -> dict:
 def _load_checkpoint(ckpt: Path, model, optimizer) -> int:
     """Restore adapter weights, optimizer and RNG state from ``ckpt``; returns its step. Every file
     is read before anything is changed, so a damaged checkpoint leaves model and optimizer as they were."""
-    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     try:
         weights = load_file(str(ckpt / ADAPTER_FILE))
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-        expected = {k for k in model.state_dict() if "lora_" in k}
-        if not weights or len(weights) != len(expected):
-            raise ValueError(f"{len(weights)} adapter tensors, the model has {len(expected)}")
-        result = set_peft_model_state_dict(model, weights)
-        if result.unexpected_keys:
-            raise ValueError(f"unexpected adapter keys {result.unexpected_keys[:3]}")
+        _set_adapter(model, weights)
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:  # a damaged file must stop resume with one line, not a traceback
         raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None

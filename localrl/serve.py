@@ -216,10 +216,12 @@ def _replayer(body: bytes, receive):
 
 
 class ToolCalls:
-    """ASGI middleware: a chat completion asked for with ``tools`` (not streamed) returns the model's
+    """ASGI middleware: a chat completion asked for with ``tools`` returns the model's
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in OpenAI's ``tool_calls`` field,
     with ``finish_reason`` "tool_calls" and the rest of the text as the content, as OpenAI clients expect.
-    The chat template needs no tool support for this: localrl's agents write the Hermes/Qwen tags.
+    Streamed, each call is one ``delta.tool_calls`` entry, sent once its closing tag has arrived; text that
+    may be the start of a tag is held back until it is known not to be. The chat template needs no tool
+    support for this: localrl's agents write the Hermes/Qwen tags.
     """
 
     def __init__(self, app) -> None:
@@ -234,8 +236,10 @@ class ToolCalls:
             request = json.loads(body)
         except ValueError:
             request = None
-        if not (isinstance(request, dict) and request.get("tools") and not request.get("stream")):
+        if not (isinstance(request, dict) and request.get("tools")):
             return await self.app(scope, replay, send)
+        if request.get("stream"):
+            return await self.app(scope, replay, _StreamedToolCalls(send))
         start, chunks = None, []
 
         async def capture(message) -> None:
@@ -256,6 +260,103 @@ class ToolCalls:
             await send({"type": "http.response.body", "body": data})
 
         await self.app(scope, replay, capture)
+
+
+class _StreamedToolCalls:
+    """The ``send`` of a streamed chat completion with tools: server-sent events in, the same events out
+    with each choice's ``<tool_call>`` blocks moved from ``delta.content`` to ``delta.tool_calls``."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, send) -> None:
+        self.send = send
+        self.ok = False
+        self.buffer = b""
+        self.pending: dict[int, str] = {}  # per choice: text held back
+        self.calls: dict[int, int] = {}  # per choice: tool calls sent
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.ok = message["status"] == 200
+            return await self.send(message)
+        if message["type"] != "http.response.body" or not self.ok:
+            return await self.send(message)
+        self.buffer += message.get("body", b"")
+        out = []
+        while cut := _event_end(self.buffer):
+            end, sep = cut
+            event, self.buffer = self.buffer[:end], self.buffer[end + len(sep):]
+            out.append(self._event(event.decode(), sep.decode()))
+        more = message.get("more_body", False)
+        if not more and self.buffer:
+            out.append(self._event(self.buffer.decode(), ""))
+            self.buffer = b""
+        await self.send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": more})
+
+    def _event(self, event: str, sep: str) -> str:
+        data = event[len("data: "):] if event.startswith("data: ") else None
+        try:
+            chunk = json.loads(data) if data is not None else None
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+            return event + sep
+        events = []
+        for choice in chunk["choices"]:
+            i = choice.get("index", 0)
+            delta = choice.get("delta") or {}
+            text = self.pending.get(i, "") + (delta.get("content") or "")
+            finished = choice.get("finish_reason") is not None
+            pieces, self.pending[i] = self._split(i, text, finished)
+            extra = {k: v for k, v in delta.items() if k != "content"}  # the role, in the first chunk
+            for kind, value in pieces:
+                part = {**extra, "content": value} if kind == "text" else {**extra, "tool_calls": [value]}
+                extra = {}
+                events.append({**chunk, "choices": [{**choice, "delta": part, "finish_reason": None}]})
+            if finished or extra:
+                reason = choice.get("finish_reason")
+                if finished and self.calls.get(i):
+                    reason = "tool_calls"
+                events.append({**chunk, "choices": [{**choice, "delta": extra, "finish_reason": reason}]})
+        return "".join(f"data: {json.dumps(e)}{sep or chr(10) * 2}" for e in events)
+
+    def _split(self, i: int, text: str, finished: bool) -> tuple[list[tuple[str, Any]], str]:
+        """(pieces to send now: ("text", str) or ("call", tool-call delta), the text to hold back)."""
+        pieces: list[tuple[str, Any]] = []
+        while True:
+            start = text.find(self.OPEN)
+            if start < 0:
+                break
+            end = text.find(self.CLOSE, start)
+            if end < 0:
+                break
+            if start:
+                pieces.append(("text", text[:start]))
+            block, text = text[start:end + len(self.CLOSE)], text[end + len(self.CLOSE):]
+            calls = parse_calls(block)
+            if not calls:  # malformed: it stays text, as the model wrote it
+                pieces.append(("text", block))
+                continue
+            name, args = calls[0]
+            index = self.calls.get(i, 0)
+            self.calls[i] = index + 1
+            pieces.append(("call", {"index": index, "id": f"call_{index}", "type": "function",
+                                    "function": {"name": name, "arguments": json.dumps(args)}}))
+        if finished:
+            hold = 0
+        elif (start := text.find(self.OPEN)) >= 0:
+            hold = len(text) - start  # an open block: wait for its end
+        else:  # the longest ending that could start a tag
+            hold = next((k for k in range(len(self.OPEN) - 1, 0, -1) if text.endswith(self.OPEN[:k])), 0)
+        if len(text) > hold:
+            pieces.append(("text", text[:len(text) - hold]))
+        return pieces, text[len(text) - hold:]
+
+
+def _event_end(buffer: bytes) -> tuple[int, bytes] | None:
+    """(where the first complete server-sent event ends, its separator), or None."""
+    found = [(buffer.find(sep), sep) for sep in (b"\r\n\r\n", b"\n\n") if sep in buffer]
+    return min(found) if found else None
 
 
 def _with_tool_calls(data: bytes) -> bytes:

@@ -40,10 +40,11 @@ from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bi
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.llama_rollout import LlamaCppRollout
-from localrl.rewards import RewardFn, combine, default_rewards, resolve_reward, reward_name, score
-from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
-                             stop_token_ids)
-from localrl.runs import Run, base_fingerprint
+from localrl.rewards import RewardFn, combine, default_rewards, resolve_rewards, reward_names, score
+from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
+                             sample_groups, stop_token_ids)
+from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
+from localrl.sft import sft_step
 from localrl.tasks import Task, load_task, system_prompt
 
 
@@ -95,14 +96,17 @@ class Preflight:
     context: int = 2048  # the model's context, in tokens
 
 
-def preflight(cfg: TrainConfig) -> Preflight:
+def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     """Every check a run makes before any weights load or anything is written: the config, the
-    reward, the model (architecture, whole weight files), every prompt (it must fit the model's
-    context together with max_new_tokens), and the memory a step needs against what is free."""
+    reward, the model (architecture, whole weight files), the adapter to start from (of a new run),
+    every prompt (it must fit the model's context together with max_new_tokens), and the memory a
+    step needs against what is free."""
     cfg.validate()
-    resolve_reward(cfg.reward)
+    resolve_rewards(cfg.reward, cfg.reward_weights)
     path, config = load_config(cfg.model)
     check_weights(path)
+    if cfg.init_adapter and not resume:
+        adapter_source(cfg, base_fingerprint(cfg.model))
     tok = load_tokenizer(path)
     context = getattr(config, "max_position_embeddings", None)
     if context and cfg.max_new_tokens >= context:
@@ -143,7 +147,8 @@ def probe_rewards(cfg: TrainConfig, rows: list[dict]) -> None:
     """Call the configured rewards once on made-up completions of ``rows`` (their own answers), so that a
     reward that fails, returns the wrong number of scores or a non-number stops the run before it starts."""
     completions = [f"<think>{r['answer']}</think><answer>{r['answer']}</answer>" for r in rows]
-    reward_fns, _ = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens)
+    reward_fns, _ = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens,
+                                   cfg.reward_weights)
     score(reward_fns, completions, {**columns_of(rows), "completion_ids": [[0]] * len(rows)})
 
 
@@ -161,7 +166,8 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
     shape = ModelShape.from_config(config)
     # the longest trajectory: every turn and tool output at its limit, within the context
     budget_tokens = min(context - longest, trajectory_budget(fmt, cfg.max_turns, cfg.max_new_tokens))
-    trajectory = replace(cfg, max_new_tokens=budget_tokens)
+    # a warm-start step has one (expert) trajectory per task; a GRPO step group_size
+    trajectory = replace(cfg, max_new_tokens=budget_tokens, group_size=1 if cfg.objective == "sft" else cfg.group_size)
     in_4bit, why = choose_4bit(trajectory, shape, longest, device)
     budget = MemoryBudget.for_run(trajectory, shape, longest, device, in_4bit) if cfg.memory_budget else None
     check_step_fits(trajectory, shape, longest, device, in_4bit,
@@ -169,8 +175,9 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
     if cfg.rollout == "llama.cpp":
         raise UserError("config field rollout: multi-turn episodes are sampled by torch (rollout = auto or torch)",
                         field="rollout")
+    what = "expert episodes (sft)" if cfg.objective == "sft" else "rollouts: torch, multi-turn episodes"
     return Preflight(None, device, budget, longest, in_4bit, why, "torch",
-                     f"rollouts: torch, multi-turn episodes; sandbox isolation: {env.isolation}", path, env, context)
+                     f"{what}; sandbox isolation: {env.isolation}", path, env, context)
 
 
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
@@ -217,10 +224,10 @@ def _status(stage: str, message: str, **progress) -> dict:
 def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None,
           listeners: list[Listener] | tuple = (), resume: bool = False, log=print) -> RunResult:
     """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint."""
-    pre = preflight(cfg)  # bad config, data, model or memory stops here, before anything is written
+    pre = preflight(cfg, resume)  # bad config, data, model or memory stops here, before anything is written
     task, device = pre.task, pre.device
     reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache,
-                                                     cfg.max_new_tokens)
+                                                     cfg.max_new_tokens, cfg.reward_weights)
     base = base_fingerprint(cfg.model)
     if resume:
         run = Run.open(cfg.run_dir, "resume")
@@ -251,6 +258,10 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
                        or (r.get("kind") == "eval" and r.get("when") == "before")]
             sink.write_to(run.metrics_path, history)
+        if cfg.init_adapter and start == 0:  # after a checkpoint, the adapter is the one the run had reached
+            source = adapter_source(cfg, base)
+            load_adapter_weights(model, source)
+            log(f"adapter initialised from {source}")
         run.write_config(cfg, base)  # from here on the run can be resumed
     except BaseException as e:
         sink.close()
@@ -276,7 +287,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         with _StopFlag() as stop_flag:
             for step in range(start, cfg.steps):
                 try:
-                    if pre.env:
+                    if cfg.objective == "sft":
+                        record = sft_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.budget)
+                    elif pre.env:
                         record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.context,
                                             pre.budget)
                     else:
@@ -290,7 +303,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                                     f"{run.path} continues from the last checkpoint") from None
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
-                flat_steps = flat_steps + 1 if record["frac_reward_zero_std"] == 1 else 0
+                flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
                 if flat_steps == FLAT_STEPS_WARNING:
                     warning = {"kind": "warning", "step": step + 1, "message": no_signal_message(record, flat_steps)}
                     sink.emit(warning)
@@ -367,33 +380,47 @@ def _first_line(e: BaseException) -> str:
 def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_fns: list[RewardFn],
                weights: list[float], stops: list[int], budget=None, sampler=None) -> dict:
     """One whole GRPO step (sample, score, update) on ``task``'s rows of ``step``; returns its metrics record.
-    ``sampler``: a LlamaCppRollout to sample with instead of the torch policy."""
+    ``sampler``: a LlamaCppRollout to sample with instead of the torch policy. With ``dynamic_sampling``,
+    more rows are sampled while fewer than ``prompts_per_step`` groups have rewards that differ."""
     t0 = time.time()
-    rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
     device = next(model.parameters()).device
     seed = cfg.seed * 1_000_003 + step
+    generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
-    prompts, sampler_logp = encode_prompts(tok, rows, task.system), None
-    if sampler is not None:
-        rollout, sampler_logp = sampler.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, stops,
-                                               tok.pad_token_id, cfg.temperature, seed, cfg.lora_alpha)
-    else:
-        rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
-                                cfg.temperature, torch.Generator(device=device).manual_seed(seed))
+    rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
+    rounds = [_sample_round(model, tok, task, rows, cfg, reward_fns, stops, sampler, seed, generator)]
+    while cfg.dynamic_sampling and len(rounds) <= cfg.dynamic_sampling_rounds and \
+            sum(informative for r in rounds for informative in r.informative(weights)) < cfg.prompts_per_step:
+        more = task.resample(step, len(rounds), cfg.prompts_per_step, cfg.seed)
+        rounds.append(_sample_round(model, tok, task, more, cfg, reward_fns, stops, sampler, seed + len(rounds),
+                                    generator))
     t_gen = time.time() - t0
-    columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
-    scores = score(reward_fns, decode_completions(tok, rollout), columns)
-    rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
-    stats = update(model, optimizer, rollout, rewards, cfg, step, budget, sampler_logp)
+    rollout = concat_rollouts([r.rollout for r in rounds], tok.pad_token_id)
+    scores = [sum((r.scores[i] for r in rounds), []) for i in range(len(reward_fns))]
+    rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [all sampled rows]
+    sampler_logp = _cat_right([r.sampler_logp for r in rounds]) if sampler is not None else None
+    sampled_prompts = rollout.prompt_ids.size(0)
+    if len(rounds) > 1:  # train on prompts_per_step groups: those with a signal first, in order
+        flags = torch.tensor([f for r in rounds for f in r.informative(weights)])
+        order = sorted(range(sampled_prompts), key=lambda b: not flags[b])[:cfg.prompts_per_step]
+        keep = torch.zeros(sampled_prompts, dtype=torch.bool)
+        keep[order] = True
+        rows_kept = keep.repeat_interleave(cfg.group_size)
+        train_rollout, train_rewards = rollout.groups(keep), rewards[rows_kept]
+        if sampler_logp is not None:
+            sampler_logp = sampler_logp[rows_kept, :train_rollout.completion_ids.size(1)]
+    else:
+        train_rollout, train_rewards = rollout, rewards
+    stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {
         "kind": "train",
         "step": step + 1,
-        "reward_mean": rewards.mean().item(),
+        "reward_mean": rewards.mean().item(),  # of every completion sampled this step
         "reward_std": rewards.std().item(),
         "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
-        "rewards": {reward_name(fn, i): sum(s) / len(s) for i, (fn, s) in enumerate(zip(reward_fns, scores))},
+        "rewards": {name: sum(s) / len(s) for name, s in zip(reward_names(reward_fns), scores)},
         "loss": stats["loss"],
         "kl": stats["kl"],
         "clip_frac": stats["clip_frac"],
@@ -406,5 +433,40 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "lr": optimizer.param_groups[0]["lr"],
         "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
+        **({"sampled_prompts": sampled_prompts} if cfg.dynamic_sampling else {}),
         **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
     }
+
+
+@dataclass
+class _Round:
+    """One round of a step's sampling: its rollout, the sampler's log-probabilities and the scores."""
+
+    rollout: Rollout
+    sampler_logp: torch.Tensor | None
+    scores: list[list[float]]  # per reward function, per completion
+
+    def informative(self, weights: list[float]) -> list[bool]:
+        """Per prompt: whether its group's combined rewards differ (a learning signal)."""
+        g = self.rollout.group_size
+        rewards = combine(self.scores, weights)
+        return [len(set(rewards[b * g:(b + 1) * g])) > 1 for b in range(len(rewards) // g)]
+
+
+def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, sampler, seed: int,
+                  generator: torch.Generator) -> _Round:
+    prompts, sampler_logp = encode_prompts(tok, rows, task.system), None
+    if sampler is not None:
+        rollout, sampler_logp = sampler.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, stops,
+                                               tok.pad_token_id, cfg.temperature, seed, cfg.lora_alpha)
+    else:
+        rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
+                                cfg.temperature, generator)
+    columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
+    return _Round(rollout, sampler_logp, score(reward_fns, decode_completions(tok, rollout), columns))
+
+
+def _cat_right(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[N_i, R_i] tensors as one [sum N_i, max R_i], zero-padded on the right."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1))) for t in tensors])

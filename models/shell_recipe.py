@@ -25,6 +25,7 @@ from localrl.agent_rollout import TurnFormat
 from localrl.envs.shell import ShellEnv, solve, task_list
 from localrl.envs.shell_tasks import sample_tasks
 from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe, pad_batch
+from localrl.sft import episode_tokens
 
 @dataclass
 class ShellRecipe(Recipe):
@@ -70,18 +71,10 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 
 
 def encode(tok, fmt: TurnFormat, instruction: str, turns: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
-    """Token ids of a whole episode as a rollout builds it, and the loss mask (1 on the agent's tokens)."""
-    ids = fmt.prompt_ids(instruction)
-    mask = [0] * len(ids)
-    for action, observation in turns:
-        turn = tok(action + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids += turn
-        mask += [1] * len(turn)
-        if observation:
-            between = fmt.between(turn, observation)
-            ids += between
-            mask += [0] * len(between)
-    return ids, mask
+    """Token ids of a whole episode as a rollout builds it, and the loss mask (1 on the agent's tokens); every
+    agent turn ends with ``<|im_end|>``."""
+    prompt, ids, mask = episode_tokens(fmt, instruction, turns, tok.convert_tokens_to_ids("<|im_end|>"), True)
+    return prompt + ids, [0] * len(prompt) + mask
 
 
 def shell_data(recipe: ShellRecipe, rng: random.Random, log=print):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from localrl.losses import grpo_loss, group_advantages, kl_k3, masked_mean
+from localrl.losses import LossSettings, grpo_loss, group_advantages, kl_k3, masked_mean
 
 
 def test_group_advantages_standardise_within_each_group():
@@ -20,7 +20,7 @@ def test_group_advantages_standardise_within_each_group():
 
 
 def test_group_advantages_unscaled_are_centred_rewards():
-    adv = group_advantages(torch.tensor([3.0, 1.0]), group_size=2, scale=False)
+    adv = group_advantages(torch.tensor([3.0, 1.0]), group_size=2, scale="none")
     assert adv.tolist() == [1.0, -1.0]
 
 
@@ -57,11 +57,11 @@ def test_grpo_loss_clips_the_ratio_by_sign_of_advantage():
     logp = torch.tensor([[math.log(1.5), math.log(0.5)]])
     mask = torch.ones(1, 2)
     # positive advantage: ratio 1.5 is clipped to 1.2; ratio 0.5 is kept (min picks it)
-    loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask)
     assert loss.item() == pytest.approx(-(1.2 + 0.5) / 2)
     assert stats["clip_frac"] == pytest.approx(0.5)
     # negative advantage: ratio 1.5 is kept (-1.5), ratio 0.5 is clipped to 0.8
-    loss, _ = grpo_loss(logp, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    loss, _ = grpo_loss(logp, old, torch.tensor([-1.0]), mask)
     assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
 
 
@@ -69,7 +69,7 @@ def test_grpo_loss_adds_beta_times_kl():
     logp = torch.tensor([[-1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.0]])
     mask = torch.ones(1, 2)
-    loss, stats = grpo_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=ref, beta=0.1)
+    loss, stats = grpo_loss(logp, logp, torch.tensor([0.0]), mask, LossSettings(beta=0.1), ref_logp=ref)
     kl0 = math.exp(-0.5) + 0.5 - 1
     assert stats["kl"] == pytest.approx(kl0 / 2)
     assert loss.item() == pytest.approx(0.1 * kl0 / 2)
@@ -110,3 +110,26 @@ def test_importance_weights_multiply_each_tokens_loss():
     assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-1.0)  # (2*-1 + 0*-1) / 2
     (grad,) = torch.autograd.grad(weighted, logp)
     assert torch.allclose(grad, torch.tensor([[-1.0, 0.0]]))  # the zero-weight token gets no gradient
+
+
+def test_scale_rewards_by_group_batch_or_none():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])  # groups of 2: means 0.5 and 2.0
+    centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    assert torch.allclose(group_advantages(rewards, 2, "none"), centred)
+    group_std = torch.tensor([math.sqrt(0.5)] * 2 + [math.sqrt(2.0)] * 2)
+    assert torch.allclose(group_advantages(rewards, 2, "group"), centred / (group_std + 1e-4))
+    batch_std = rewards.std()  # unbiased, over the whole batch
+    assert torch.allclose(group_advantages(rewards, 2, "batch"), centred / (batch_std + 1e-4))
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(rewards, 2, "rows")
+
+
+def test_sequence_level_ratio_is_one_per_completion():
+    """GSPO: every token of a completion shares exp(mean log-ratio), so clipping keeps or drops it whole."""
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[math.log(2.0), 0.0, math.log(0.5)]])  # mean log-ratio 0: sequence ratio 1
+    mask = torch.ones(1, 3)
+    token, stats_t = grpo_loss(logp, old, torch.tensor([1.0]), mask)
+    sequence, stats_s = grpo_loss(logp, old, torch.tensor([1.0]), mask, LossSettings(importance_sampling_level="sequence"))
+    assert token.item() == pytest.approx(-(1.2 + 1.0 + 0.5) / 3) and stats_t["clip_frac"] == pytest.approx(1 / 3)
+    assert sequence.item() == pytest.approx(-1.0) and stats_s["clip_frac"] == 0.0

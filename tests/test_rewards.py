@@ -91,3 +91,25 @@ def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
     step = next(r for r in records if r["kind"] == "train")  # each reward's mean is logged apart
     assert step["rewards"] == {"length_reward": pytest.approx(sum(n % 2 for n in seen[0]) / 4)}
     assert step["completion_len"] == pytest.approx(sum(seen[0]) / 4)
+
+
+def test_several_rewards_with_weights_are_each_logged(tmp_path):
+    """`--reward a,b --reward-weights x,y`: each reward's mean is logged apart, the reward is their weighted sum."""
+    from localrl.config import build_config
+    from localrl.rewards import resolve_rewards
+    from localrl.trainer import train
+    from tests.helpers import QUIET, train_records
+
+    cfg = build_config(None, {"reward": "numeric, tests.test_rewards:length_reward, numeric",
+                              "reward_weights": "1, 0.01, 0.5", "steps": 1, "prompts_per_step": 2, "group_size": 2,
+                              "max_new_tokens": 16, "eval_size": 0, "run_dir": str(tmp_path / "run")})
+    train(cfg, **QUIET)
+    [record] = train_records(tmp_path / "run")
+    r = record["rewards"]
+    assert set(r) == {"numeric_match", "length_reward", "numeric_match_2", "format_reward"}
+    assert record["reward_mean"] == pytest.approx(1.5 * r["numeric_match"] + 0.01 * r["length_reward"]
+                                                  + 0.1 * r["format_reward"])
+    assert r["length_reward"] > 0
+    for weights, message in (("1,2", "2 weights for 3 rewards"), ("1,x,2", "not a comma-separated list")):
+        with pytest.raises(UserError, match=message):
+            resolve_rewards(cfg.reward, weights)

@@ -96,6 +96,17 @@ def test_an_agents_tool_calls_come_back_in_openais_tool_calls_field(tmp_path_fac
         [call] = choice["message"]["tool_calls"]
         assert call["type"] == "function" and call["function"]["name"] == "shell"
         assert "maple" in json.loads(call["function"]["arguments"])["command"]
+        # streamed, through OpenAI's own client: the same call, as one tool_calls delta
+        import openai
+
+        client = openai.OpenAI(base_url=base, api_key="none")
+        stream = client.chat.completions.create(model="x", tools=tools, stream=True, **request)
+        chunks = [c.choices[0] for c in stream]
+        deltas = [d for c in chunks for d in (c.delta.tool_calls or [])]
+        assert [d.function.name for d in deltas] == ["shell"] and deltas[0].id == "call_0"
+        assert json.loads(deltas[0].function.arguments) == json.loads(call["function"]["arguments"])
+        assert chunks[-1].finish_reason == "tool_calls"
+        assert "".join(c.delta.content or "" for c in chunks) == (choice["message"]["content"] or "")
         # without tools the same reply stays text, as the model wrote it
         status, text = _post(f"{base}/chat/completions", json.dumps(request).encode())
         message = json.loads(text)["choices"][0]["message"]

@@ -213,3 +213,25 @@ def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(b
     by_torch = evaluate_policy(small(tmp_path / "unused", eval_size=20), run=full.run_dir, samples=0)
     assert full.eval_after["accuracy"] == by_torch["accuracy"] and full.eval_after["n"] == 20
     assert full.eval_after["reward_mean"] == pytest.approx(by_torch["reward_mean"])
+
+
+def signal_on_odd_answers(completions, answer, **_):
+    """A reward with a learning signal only for prompts whose answer is odd (every other group is flat)."""
+    return [float(i % 2) if int(a) % 2 else 1.0 for i, a in enumerate(answer)]
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_signal(builtin_model, tmp_path):
+    rewards = ([signal_on_odd_answers], [1.0])
+    plain = train(small(tmp_path / "plain", steps=2, model=str(builtin_model)), rewards=rewards, **QUIET)
+    dynamic = small(tmp_path / "dyn", steps=2, model=str(builtin_model), dynamic_sampling=True,
+                    dynamic_sampling_rounds=4)
+    train(dynamic, rewards=rewards, **QUIET)
+    plain_records, records = train_records(plain.run_dir), train_records(tmp_path / "dyn")
+    assert all(r["frac_reward_zero_std"] > 0 for r in plain_records)  # flat groups in the ordinary batch
+    for r in records:  # more prompts sampled, up to the cap, until every trained group has a signal
+        assert 4 < r["sampled_prompts"] <= 4 * 5
+        assert r["frac_reward_zero_std"] == 0
+    # reproducible from (seed, step): a second run is the same
+    train(small(tmp_path / "again", steps=2, model=str(builtin_model), dynamic_sampling=True,
+                dynamic_sampling_rounds=4), rewards=rewards, **QUIET)
+    assert train_records(tmp_path / "again") == records

@@ -43,9 +43,9 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-def _localrl(model, rollout, advantages, loss_type: str, micro_batch: int) -> tuple[float, dict]:
-    cfg = TrainConfig(loss_type=loss_type, beta=0.0, max_grad_norm=0.0, temperature=TEMPERATURE,
-                      max_new_tokens=R, group_size=G).validate()
+def _localrl(model, rollout, advantages, loss_type: str, micro_batch: int, **settings) -> tuple[float, dict]:
+    cfg = TrainConfig(**{"loss_type": loss_type, "beta": 0.0, "max_grad_norm": 0.0, "temperature": TEMPERATURE,
+                         "max_new_tokens": R, "group_size": G, **settings}).validate()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)  # keeps the weights
     stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch=micro_batch)
     return stats["loss"], _lora_grads(model)
@@ -90,25 +90,140 @@ def test_loss_and_gradient_equal_trls(builtin_model, tmp_path, loss_type):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_gradient_does_not_depend_on_the_micro_batch(builtin_model, loss_type):
+@pytest.mark.parametrize("prompt_cache", [True, False], ids=["prompt-cache", "concatenated"])
+def test_gradient_does_not_depend_on_the_micro_batch(builtin_model, loss_type, prompt_cache):
     model, tok = _policy(builtin_model)
     rollout, rewards = _rollout(len(tok), tok.pad_token_id)
     advantages = group_advantages(rewards, G)
-    whole_loss, whole = _localrl(model, rollout, advantages, loss_type, micro_batch=0)
+    settings = {"prompt_cache": prompt_cache, "importance_sampling_level": "sequence" if prompt_cache else "token",
+                "beta": 0.04}
+    whole_loss, whole = _localrl(model, rollout, advantages, loss_type, 0, **settings)
     for micro_batch in (1, 5):
-        loss, grads = _localrl(model, rollout, advantages, loss_type, micro_batch)
+        loss, grads = _localrl(model, rollout, advantages, loss_type, micro_batch, **settings)
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
         assert _max_rel_err(grads, whole) < 1e-4
 
 
 def test_loss_types_differ_where_lengths_differ(builtin_model):
-    """The four normalisations give four different gradients on completions of mixed lengths (else the
-    parity tests above could not tell a wrong normaliser from a right one)."""
+    """The normalisations give different gradients on completions of mixed lengths (else the parity tests
+    above could not tell a wrong normaliser from a right one)."""
     model, tok = _policy(builtin_model)
     rollout, rewards = _rollout(len(tok), tok.pad_token_id)
     advantages = group_advantages(rewards, G)
     grads = {t: _localrl(model, rollout, advantages, t, micro_batch=0)[1] for t in LOSS_TYPES}
+    # on-policy (every ratio 1) these coincide: bnpo and dapo share a normaliser in one process, sapo's gate
+    # has grpo's slope at 1 and vespo's weight is 1 there
+    alike = [{"bnpo", "dapo", "vespo"}, {"grpo", "sapo"}]
     for a in LOSS_TYPES:
         for b in LOSS_TYPES:
-            if a < b and {a, b} != {"bnpo", "dapo"}:  # these two share a normaliser in one process
+            if a < b and not any({a, b} <= group for group in alike):
                 assert _max_rel_err(grads[a], grads[b]) > 1e-2, (a, b)
+
+
+# -- every loss type and option, against TRL's loss code on the same per-token log-probabilities --------------
+
+N_ROWS, WIDTH = 6, 7
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(builtin_model, tmp_path_factory):
+    """One GRPOTrainer whose loss settings each case sets; its model is never run (the log-probabilities
+    are given), so the loss and its gradient with respect to them are TRL's formulas alone."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tok = _policy(builtin_model)
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), use_cpu=True, num_generations=2,
+                      per_device_train_batch_size=N_ROWS, gradient_accumulation_steps=1,
+                      max_completion_length=WIDTH, report_to="none", save_strategy="no", bf16=False, fp16=False,
+                      disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * N_ROWS), processing_class=tok)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _inputs():
+    """Random log-probabilities in float64, old ones far enough off-policy that clipping is active, a
+    reference policy, mixed-sign advantages, rows of different lengths (right padding)."""
+    g = torch.Generator().manual_seed(5)
+    logp = -torch.rand(N_ROWS, WIDTH, generator=g, dtype=torch.float64) * 3 - 0.05
+    old = logp + 0.35 * torch.randn(N_ROWS, WIDTH, generator=g, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(N_ROWS, WIDTH, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([WIDTH, 3, 1, 5, WIDTH, 2])
+    mask = (torch.arange(WIDTH)[None] < lengths[:, None]).long()
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9, -0.2], dtype=torch.float64)
+    weights = torch.exp(0.2 * torch.randn(N_ROWS, WIDTH, generator=g, dtype=torch.float64))  # a sampler's
+    return logp, old, ref, mask, adv, weights
+
+
+def _trl_loss(trainer, s, logp, old, ref, mask, adv, weights):
+    trainer.loss_type = s.loss_type
+    trainer.importance_sampling_level = s.importance_sampling_level
+    trainer.epsilon_low, trainer.epsilon_high = s.epsilon, s.epsilon_high or s.epsilon
+    trainer.beta = s.beta
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = weights is not None
+    for name in ("delta", "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        setattr(trainer.args, name, getattr(s, name))
+    trainer.args.delta = s.delta or None
+    leaf = logp.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
+    inputs = {"prompt_ids": torch.zeros(N_ROWS, 1, dtype=torch.long), "prompt_mask": torch.ones(N_ROWS, 1),
+              "completion_ids": torch.zeros(N_ROWS, WIDTH, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights}
+    loss = trainer._compute_loss(trainer.model, inputs)
+    return loss.detach(), torch.autograd.grad(loss, leaf)[0]
+
+
+def _localrl_loss(s, logp, old, ref, mask, adv, weights):
+    from localrl.losses import grpo_loss, loss_normalizer
+
+    leaf = logp.clone().requires_grad_(True)
+    loss, _ = grpo_loss(leaf, old, adv, mask, s, ref if s.beta else None, weights)
+    loss = loss / loss_normalizer(s.loss_type, mask, WIDTH)
+    return loss.detach(), torch.autograd.grad(loss, leaf)[0]
+
+
+def _cases():
+    from localrl.losses import LossSettings
+
+    cases = []
+    for loss_type in LOSS_TYPES:
+        for level in ("token", "sequence"):
+            for beta, corrected in ((0.0, True), (0.04, True), (0.04, False)):
+                cases.append(LossSettings(loss_type, importance_sampling_level=level, beta=beta,
+                                          use_bias_correction_kl=corrected))
+        clip = {"cispo": {"epsilon_high": 1.3}, "sapo": {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
+                "vespo": {"vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0}}.get(loss_type,
+                                                                          {"epsilon_high": 0.28, "delta": 1.25})
+        cases.append(LossSettings(loss_type, beta=0.04, **clip))
+    return cases
+
+
+@pytest.mark.parametrize("settings", _cases(), ids=lambda s: f"{s.loss_type}-{s.importance_sampling_level}-"
+                         f"beta{s.beta}{'-corrected' if s.use_bias_correction_kl else ''}"
+                         f"{'-eh' if s.epsilon_high else ''}{'-delta' if s.delta else ''}"
+                         f"{'-temps' if s.sapo_temperature_pos != 1.0 else ''}{'-k' if s.vespo_k_pos != 2.0 else ''}")
+@pytest.mark.parametrize("sampler_weights", [False, True], ids=["", "is-weights"])
+def test_every_loss_and_option_equals_trls_formula(trl_trainer, settings, sampler_weights):
+    logp, old, ref, mask, adv, weights = _inputs()
+    weights = weights if sampler_weights else None
+    theirs, theirs_grad = _trl_loss(trl_trainer, settings, logp, old, ref, mask, adv, weights)
+    ours, ours_grad = _localrl_loss(settings, logp, old, ref, mask, adv, weights)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-12)
+    assert (ours_grad - theirs_grad).abs().max() <= 1e-6 * theirs_grad.abs().max()
+    assert theirs_grad.abs().max() > 0
+
+
+def test_the_options_change_the_loss_where_they_should():
+    """Each option changes the gradient on these inputs (else the parity cases could not tell it was ignored)."""
+    from localrl.losses import LossSettings
+
+    logp, old, ref, mask, adv, _ = _inputs()
+    grad = lambda **kw: _localrl_loss(LossSettings(**kw), logp, old, ref, mask, adv, None)[1]  # noqa: E731
+    base = grad(beta=0.04)
+    for change in ({"epsilon_high": 0.28}, {"delta": 1.25}, {"importance_sampling_level": "sequence"},
+                   {"use_bias_correction_kl": False}, *({"loss_type": t} for t in LOSS_TYPES if t != "grpo")):
+        assert (grad(**{"beta": 0.04, **change}) - base).abs().max() > 1e-4 * base.abs().max(), change

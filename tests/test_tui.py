@@ -42,6 +42,8 @@ def test_train_screen_starts_a_run_and_the_charts_gain_points(tmp_path):
             await pilot.pause(0.3)
             assert len(reward.values) == 3
             assert len(screen.query_one("#chart-peak_mem_mb", MetricChart).values) == 3
+            means = screen.query_one("#reward-means")  # each reward apart, as metrics.jsonl logs it
+            assert means.display and "numeric_match" in str(means.render()) and "format_reward" in str(means.render())
             return screen.run_dir
 
     run_dir = run(go())

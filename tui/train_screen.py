@@ -39,6 +39,20 @@ CHARTS = [("reward_mean", "reward", "{:.3f}"), ("accuracy", "accuracy", "{:.1%}"
 TRAIN_COMMAND = [sys.executable, "-m", "localrl.cli", "train"]
 
 
+def reward_line(train: list[dict], width: int = 12) -> str:
+    """Each reward's mean in the latest step, after a sparkline of its last ``width`` steps."""
+    parts = []
+    for name in train[-1]["rewards"]:
+        values = [r["rewards"][name] for r in train[-width:] if name in r.get("rewards", {})]
+        lo, hi = min(values), max(values)
+        bars = "".join(SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in values)
+        parts.append(f"{name} {bars} {values[-1]:.3g}")
+    return "rewards: " + "   ".join(parts)
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
 def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainConfig]:
     """(``localrl train`` arguments, the run config) for the form's fields followed by its extra
     flags (which win, as later flags do on the command line), checked as ``localrl train``
@@ -135,6 +149,7 @@ class TrainScreen(Screen):
                 with Grid(id="charts"):
                     for key, title, fmt in CHARTS:
                         yield MetricChart(key, title, fmt, id=f"chart-{key}")
+                yield Static("", id="reward-means", markup=False)
                 yield ProgressBar(total=None, show_eta=True, id="progress")
                 yield RichLog(id="log", max_lines=2000, wrap=True, min_width=20, markup=False)
         yield Footer()
@@ -258,6 +273,10 @@ class TrainScreen(Screen):
         train = [r for r in records if r.get("kind") == "train"]
         for chart in self.query(MetricChart):
             chart.set_values([float(r[chart.key]) for r in train if chart.key in r])
+        means = self.query_one("#reward-means", Static)
+        means.display = bool(train and train[-1].get("rewards"))
+        if means.display:
+            means.update(reward_line(train))
         bar = self.query_one("#progress", ProgressBar)
         last = records[-1] if records else {}
         if last.get("kind") == "status":  # loading, or evaluating: say so, with the evaluation's progress

@@ -53,6 +53,15 @@ class Task:
         return out
 
 
+    def resample(self, step: int, round: int, n: int, seed: int) -> list[Row]:
+        """``n`` more training rows for ``step`` when dynamic sampling asks (``round`` 1, 2, ...): a pure
+        function of (seed, step, round); generated problems are new ones, file rows drawn at random."""
+        rng = random.Random(f"resample/{seed}/{step}/{round}")
+        if self.rows is None:
+            return [_row(p) for p in GENERATORS[self.name].sample_problems(rng, n)]
+        return [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
+
+
 def _row(problem) -> Row:
     return {"prompt": problem.question, "answer": problem.answer}
 
