@@ -110,7 +110,21 @@ class TrainConfig:
     vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda of the gamma weight for non-negative advantages")
     vespo_k_neg: float = _f(3.0, "vespo: exponent k for negative advantages")
     vespo_lambda_neg: float = _f(2.0, "vespo: rate lambda for negative advantages")
+    top_entropy_quantile: float = _f(1.0, "keep in the policy loss only this top fraction of the step's tokens by "
+                                          "entropy (Beyond the 80/20 Rule: 0.2); 1.0: all")
+    entropy_coef: float = _f(0.0, "entropy bonus: minus this times the mean token entropy is added to the loss "
+                                  "(on the tokens the policy loss keeps)")
+    off_policy_mask_threshold: float = _f(0.0, "DeepSeek-V3.2's off-policy sequence mask: drop completions with a "
+                                               "negative advantage whose mean log-ratio to the sampler exceeds "
+                                               "this; 0: off")
     beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
+    sync_ref_model: bool = _f(False, "TR-DPO: every ref_model_sync_steps steps the KL reference becomes a mix of "
+                                     "the adapter and the old reference (an adapter state: no second copy of the base)")
+    ref_model_mixup_alpha: float = _f(0.6, "sync: ref = alpha x policy + (1 - alpha) x ref, of the LoRA factors "
+                                           "(1.0: a hard reset of the reference to the policy)")
+    ref_model_sync_steps: int = _f(512, "sync: steps between reference syncs")
+    reset_optimizer_on_sync: bool = _f(False, "sync: also clear AdamW's moments at every sync (the prolonged-RL "
+                                              "recipe of KL plus periodic resets)")
     lr: float = _f(2e-3, "AdamW learning rate of the adapter")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clip (0 disables it)")
@@ -160,11 +174,17 @@ class TrainConfig:
             ("delta", self.delta == 0 or self.delta > 1, "must be 0 (off) or above 1"),
             ("importance_sampling_level", self.importance_sampling_level in ("token", "sequence"),
              "must be token or sequence"),
+            ("top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "must be in [0, 1]"),
+            ("off_policy_mask_threshold", self.off_policy_mask_threshold >= 0, "must be non-negative (0: off)"),
             ("scale_rewards", self.scale_rewards in SCALE_REWARDS, f"must be one of {', '.join(SCALE_REWARDS)}"),
             *[(name, getattr(self, name) > 0, "must be positive") for name in (
                 "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                 "vespo_lambda_neg")],
             ("beta", self.beta >= 0, "must be non-negative"),
+            ("sync_ref_model", not self.sync_ref_model or self.beta > 0,
+             "needs beta > 0 (the reference is used by the KL term only)"),
+            ("ref_model_mixup_alpha", 0 < self.ref_model_mixup_alpha <= 1, "must be in (0, 1]"),
+            ("ref_model_sync_steps", self.ref_model_sync_steps >= 1, "must be at least 1"),
             ("lr", self.lr > 0, "must be positive"),
             ("weight_decay", self.weight_decay >= 0, "must be non-negative"),
             ("max_grad_norm", self.max_grad_norm >= 0, "must be non-negative"),

@@ -14,14 +14,15 @@ import torch
 
 from localrl.config import TrainConfig
 from localrl.errors import UserError
-from localrl.losses import (LossSettings, group_advantages, grpo_loss, importance_weights, loss_normalizer,
-                            masked_mean)
+from localrl.losses import (LossSettings, group_advantages, grpo_loss, high_entropy_mask, high_entropy_threshold,
+                            importance_weights, loss_normalizer, masked_mean)
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.reference import Reference
 from localrl.rollout import Rollout
 
 
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
-           sampler_logp: torch.Tensor | None = None) -> dict:
+           sampler_logp: torch.Tensor | None = None, reference: Reference | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages, the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
@@ -29,7 +30,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp)
+    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
 
@@ -57,13 +58,31 @@ def row_slices(n: int, size: int) -> list[slice]:
 
 
 def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
-              micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None) -> dict:
+              micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None,
+              reference: Reference | None = None) -> dict:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
-    ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights."""
+    ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights;
+    ``reference``: the KL reference (default: the base)."""
     device = next(model.parameters()).device
     n = loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens)  # of the whole batch
     settings = LossSettings.of(cfg)
-    if cfg.beta == 0:
+    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
+    select_tokens = cfg.top_entropy_quantile < 1
+    with_entropy = select_tokens or cfg.entropy_coef != 0
+    full = rollout  # the high-entropy threshold is of every completion token of the step
+
+    def entropy_threshold():
+        """This pass's entropy threshold and the count of tokens the entropy bonus averages over."""
+        whole_mask = full.trained_mask.to(device)
+        if not select_tokens:
+            return None, whole_mask.sum().clamp(min=1).item()
+        with torch.no_grad(), forward(model, full, cfg.temperature, logits_chunk) as fwd:
+            entropies = torch.cat([fwd.logprobs(c, with_entropy=True)[1]
+                                   for c in row_slices(full.completion_ids.size(0), micro_batch)])
+        threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
+        return threshold, high_entropy_mask(entropies, whole_mask, threshold).sum().clamp(min=1).item()
+
+    if cfg.beta == 0 and cfg.entropy_coef == 0:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
         # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
@@ -80,31 +99,40 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     chunks = row_slices(trained, micro_batch)
     mask = rollout.trained_mask.to(device)  # the tokens the loss covers (the model's own, in a multi-turn rollout)
     adv = advantages.to(device)
-    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
 
-    def frozen_logprobs(disable_adapter: bool) -> list[torch.Tensor]:
-        with torch.no_grad(), (model.disable_adapter() if disable_adapter else nullcontext()), \
-                forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
+    def frozen_logprobs(context) -> list[torch.Tensor]:
+        with torch.no_grad(), context, forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
             return [fwd.logprobs(c) for c in chunks]
 
-    ref = frozen_logprobs(True) if cfg.beta > 0 else None
-    old = frozen_logprobs(False) if cfg.num_iterations > 1 else None
+    ref = frozen_logprobs((reference or Reference()).forward_context(model)) if cfg.beta > 0 else None
+    old = frozen_logprobs(nullcontext()) if cfg.num_iterations > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
     correct = sampler_logp is not None and cfg.rollout_is != "none"
     if correct:
         sampler_logp = sampler_logp.to(device)
         totals["is_weight"] = 0.0
+    if with_entropy:
+        totals["entropy"] = 0.0
     for _ in range(cfg.num_iterations):
+        threshold, entropy_tokens = entropy_threshold() if with_entropy else (None, 1)
         optimizer.zero_grad(set_to_none=True)
         with forward(model, rollout, cfg.temperature, logits_chunk) as fwd:  # leaving it finishes the prompt backward
             for i, c in enumerate(chunks):
-                logp = fwd.logprobs(c)
+                logp, entropy = fwd.logprobs(c, with_entropy=True) if with_entropy else (fwd.logprobs(c), None)
                 old_logp = old[i] if old is not None else logp.detach()
                 is_weights = importance_weights(old_logp, sampler_logp[c], mask[c], cfg.rollout_is,
                                                 cfg.rollout_is_cap) if correct else None
+                selected = high_entropy_mask(entropy, mask[c], threshold) if select_tokens else None
                 loss, stats = grpo_loss(logp, old_logp, adv[c], mask[c], settings,
-                                        ref[i] if ref is not None else None, is_weights)
-                (loss / n).backward()
+                                        ref[i] if ref is not None else None, is_weights, selected,
+                                        sampler_logp[c] if sampler_logp is not None else None)
+                total = loss / n
+                if with_entropy:  # the bonus is the mean entropy of the tokens the policy term acts on
+                    acted = mask[c] if selected is None else mask[c] * selected
+                    entropy_sum = (entropy * acted).sum()
+                    total = total - cfg.entropy_coef * entropy_sum / entropy_tokens
+                    totals["entropy"] += entropy_sum.item() / entropy_tokens / cfg.num_iterations
+                total.backward()
                 weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
                 if correct:  # the mean weight, over rows (sequence modes) or tokens
                     totals["is_weight"] += (is_weights.mean().item() if is_weights.size(-1) == 1

@@ -107,6 +107,7 @@ class LossSettings:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float = 0.0  # 0: off; else drop negative-advantage completions this far off-policy
 
     @classmethod
     def of(cls, cfg) -> "LossSettings":
@@ -140,12 +141,16 @@ def grpo_loss(
     settings: LossSettings = LossSettings(),
     ref_logp: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
+    sampling_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of the rows given, not yet divided by ``loss_normalizer`` of the whole batch.
 
     logp, old_logp, ref_logp, mask: [N, R] per completion token; advantages: [N]; weights: the sampler's
     importance weights ([N, R] or [N, 1]), multiplied into each token's policy loss (not the KL), as TRL
-    does. Returns the sum over rows of each row's token mean (``grpo``, ``sapo``) or of every token's loss
+    does; entropy_mask ([N, R] bool): the tokens the policy term keeps (``high_entropy_mask``);
+    sampling_logp: the log-probabilities of whoever sampled (default ``old_logp``), for the off-policy mask.
+    Returns the sum over rows of each row's token mean (``grpo``, ``sapo``) or of every token's loss
     (the others), so that micro-batches add up exactly to the loss of the whole batch, and statistics.
     """
     s = settings
@@ -181,6 +186,12 @@ def grpo_loss(
         raise ValueError(f"unknown loss type {s.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
     if clipped is not None:
         stats["clip_frac"] = masked_mean(clipped.expand_as(logp).float(), mask).item()
+    if s.off_policy_mask_threshold:
+        keep = off_policy_mask(adv, logp, old_logp if sampling_logp is None else sampling_logp, maskf,
+                               s.off_policy_mask_threshold)
+        per_token = per_token * keep
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     if weights is not None:
         per_token = per_token * weights
     if ref_logp is not None and s.beta > 0:
@@ -194,6 +205,29 @@ def grpo_loss(
     else:
         loss = (per_token * maskf).sum()
     return loss, stats
+
+
+def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ([N, 1], 1 keeps): a completion with a negative advantage
+    ([N, 1]) whose mean log-ratio of sampler to policy exceeds ``threshold`` is dropped from the loss."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(logp.dtype)
+
+
+def high_entropy_threshold(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor | None:
+    """The entropy at or above which a token is among the ``top_quantile`` most uncertain of ``entropies``
+    (all of a step's completion tokens, [N, R], where ``mask``); None when there are none."""
+    values = entropies[mask.bool()].float()
+    return torch.quantile(values, 1.0 - top_quantile) if values.numel() else None
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """[N, R] bool: the real tokens whose entropy is at least ``threshold`` (``high_entropy_threshold``)."""
+    if threshold is None:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    return ((entropies * mask) >= threshold) & mask.bool()
 
 
 def loss_normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:

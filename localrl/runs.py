@@ -214,18 +214,20 @@ class Run:
                     if _LEFTOVER.match(stale.name):
                         _remove(stale)
 
-    def save_checkpoint(self, step: int, model, optimizer, keep: int = 2) -> Path:
-        """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``."""
+    def save_checkpoint(self, step: int, model, optimizer, keep: int = 2, reference=None) -> Path:
+        """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``. ``reference``: the
+        run's synced KL reference (``localrl.reference.Reference``), if any."""
         final = self.checkpoints_dir / f"step-{step:06d}"
         with atomic_dir(final, fsync=True) as tmp:
             model.save_pretrained(str(tmp))
-            torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / STATE_FILE)
+            torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(),
+                        "reference": reference.state if reference is not None else None}, tmp / STATE_FILE)
         for old in self.checkpoints()[:-keep]:
             # rename first: a kill mid-delete leaves a .old-* leftover, never a step-* without its files
             _remove(old)
         return final
 
-    def restore(self, model, optimizer, log: Callable[[str], None] = print) -> int:
+    def restore(self, model, optimizer, log: Callable[[str], None] = print, reference=None) -> int:
         """Load the newest checkpoint that loads into ``model`` and ``optimizer``; the step it saved.
 
         0 when the run has saved none yet. A damaged newest checkpoint falls back to an older
@@ -236,7 +238,7 @@ class Run:
         errors = []
         for ckpt in reversed(found):
             try:
-                step = _load_checkpoint(ckpt, model, optimizer)
+                step = _load_checkpoint(ckpt, model, optimizer, reference)
             except UserError as e:
                 errors.append(str(e))
                 log(f"{e}; trying the checkpoint before it")
@@ -382,7 +384,7 @@ def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
-def _load_checkpoint(ckpt: Path, model, optimizer) -> int:
+def _load_checkpoint(ckpt: Path, model, optimizer, reference=None) -> int:
     """Restore adapter weights, optimizer and RNG state from ``ckpt``; returns its step. Every file
     is read before anything is changed, so a damaged checkpoint leaves model and optimizer as they were."""
     from safetensors.torch import load_file
@@ -394,6 +396,8 @@ def _load_checkpoint(ckpt: Path, model, optimizer) -> int:
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:  # a damaged file must stop resume with one line, not a traceback
         raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None
+    if reference is not None:
+        reference.state = state.get("reference")
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -43,6 +43,7 @@ from localrl.llama_rollout import LlamaCppRollout
 from localrl.rewards import RewardFn, combine, default_rewards, resolve_rewards, reward_names, score
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
                              sample_groups, stop_token_ids)
+from localrl.reference import Reference
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.sft import sft_step
 from localrl.tasks import Task, load_task, system_prompt
@@ -250,9 +251,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         run.remove_leftovers()
-        start, history = 0, []
+        start, history, reference = 0, [], Reference()
         if resume:
-            start = run.restore(model, optimizer, log)
+            start = run.restore(model, optimizer, log, reference)
             # steps after the checkpoint will be recomputed: drop their records
             history = [r for r in read_metrics(run.metrics_path)
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
@@ -291,16 +292,21 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                         record = sft_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.budget)
                     elif pre.env:
                         record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.context,
-                                            pre.budget)
+                                            pre.budget, reference)
                     else:
                         record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
-                                            pre.budget, sampler)
+                                            pre.budget, sampler, reference)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not _is_out_of_memory(e):
                         raise
                     raise UserError(f"step {step + 1}: out of memory ({_first_line(e)}); lower group_size, "
                                     f"prompts_per_step or max_new_tokens, or set memory_budget; --resume "
                                     f"{run.path} continues from the last checkpoint") from None
+                if cfg.sync_ref_model and (step + 1) % cfg.ref_model_sync_steps == 0:
+                    reference.sync(model, cfg.ref_model_mixup_alpha)
+                    if cfg.reset_optimizer_on_sync:
+                        optimizer.state.clear()
+                    record["ref_synced"] = True
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
@@ -310,7 +316,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     log(f"warning: {warning['message']}")
                 done = step + 1
                 if stop_flag.requested or done % cfg.save_every == 0 or done == cfg.steps:
-                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints)
+                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints, reference)
                     sink.emit({"kind": "checkpoint", "step": done})
                 if stop_flag.requested:
                     interrupted = True
@@ -378,7 +384,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_fns: list[RewardFn],
-               weights: list[float], stops: list[int], budget=None, sampler=None) -> dict:
+               weights: list[float], stops: list[int], budget=None, sampler=None, reference=None) -> dict:
     """One whole GRPO step (sample, score, update) on ``task``'s rows of ``step``; returns its metrics record.
     ``sampler``: a LlamaCppRollout to sample with instead of the torch policy. With ``dynamic_sampling``,
     more rows are sampled while fewer than ``prompts_per_step`` groups have rewards that differ."""
@@ -411,7 +417,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
             sampler_logp = sampler_logp[rows_kept, :train_rollout.completion_ids.size(1)]
     else:
         train_rollout, train_rewards = rollout, rewards
-    stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp)
+    stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp, reference)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {

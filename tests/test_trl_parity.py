@@ -95,10 +95,10 @@ def test_gradient_does_not_depend_on_the_micro_batch(builtin_model, loss_type, p
     model, tok = _policy(builtin_model)
     rollout, rewards = _rollout(len(tok), tok.pad_token_id)
     advantages = group_advantages(rewards, G)
-    settings = {"prompt_cache": prompt_cache, "importance_sampling_level": "sequence" if prompt_cache else "token",
-                "beta": 0.04}
+    settings = {"prompt_cache": prompt_cache, "beta": 0.04, **({"importance_sampling_level": "sequence"} if prompt_cache
+                else {"top_entropy_quantile": 0.5, "entropy_coef": 0.01})}
     whole_loss, whole = _localrl(model, rollout, advantages, loss_type, 0, **settings)
-    for micro_batch in (1, 5):
+    for micro_batch in (1, 3):
         loss, grads = _localrl(model, rollout, advantages, loss_type, micro_batch, **settings)
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
         assert _max_rel_err(grads, whole) < 1e-4
@@ -154,11 +154,16 @@ def _inputs():
     mask = (torch.arange(WIDTH)[None] < lengths[:, None]).long()
     adv = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9, -0.2], dtype=torch.float64)
     weights = torch.exp(0.2 * torch.randn(N_ROWS, WIDTH, generator=g, dtype=torch.float64))  # a sampler's
-    return logp, old, ref, mask, adv, weights
+    entropies = torch.rand(N_ROWS, WIDTH, generator=g, dtype=torch.float64) * 2
+    return logp, old, ref, mask, adv, weights, entropies
 
 
-def _trl_loss(trainer, s, logp, old, ref, mask, adv, weights):
+def _trl_loss(trainer, s, logp, old, ref, mask, adv, weights, entropies, quantile=1.0, entropy_coef=0.0):
     trainer.loss_type = s.loss_type
+    trainer.top_entropy_quantile = quantile
+    trainer.entropy_coef, trainer._entropy_bonus_enabled, trainer.use_adaptive_entropy = entropy_coef, bool(
+        entropy_coef), False
+    trainer.off_policy_mask_threshold = s.off_policy_mask_threshold or None
     trainer.importance_sampling_level = s.importance_sampling_level
     trainer.epsilon_low, trainer.epsilon_high = s.epsilon, s.epsilon_high or s.epsilon
     trainer.beta = s.beta
@@ -167,23 +172,28 @@ def _trl_loss(trainer, s, logp, old, ref, mask, adv, weights):
                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
         setattr(trainer.args, name, getattr(s, name))
     trainer.args.delta = s.delta or None
-    leaf = logp.clone().requires_grad_(True)
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
+    leaf, ent = logp.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, ent, None)
     inputs = {"prompt_ids": torch.zeros(N_ROWS, 1, dtype=torch.long), "prompt_mask": torch.ones(N_ROWS, 1),
               "completion_ids": torch.zeros(N_ROWS, WIDTH, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum(), "importance_sampling_ratio": weights}
     loss = trainer._compute_loss(trainer.model, inputs)
-    return loss.detach(), torch.autograd.grad(loss, leaf)[0]
+    return loss.detach(), torch.cat(torch.autograd.grad(loss, [leaf, ent], allow_unused=True, materialize_grads=True))
 
 
-def _localrl_loss(s, logp, old, ref, mask, adv, weights):
-    from localrl.losses import grpo_loss, loss_normalizer
+def _localrl_loss(s, logp, old, ref, mask, adv, weights, entropies, quantile=1.0, entropy_coef=0.0):
+    from localrl.losses import grpo_loss, high_entropy_mask, high_entropy_threshold, loss_normalizer
 
-    leaf = logp.clone().requires_grad_(True)
-    loss, _ = grpo_loss(leaf, old, adv, mask, s, ref if s.beta else None, weights)
+    leaf, ent = logp.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    selected = high_entropy_mask(ent.detach(), mask, high_entropy_threshold(ent.detach(), mask, quantile)) \
+        if quantile < 1 else None
+    loss, _ = grpo_loss(leaf, old, adv, mask, s, ref if s.beta else None, weights, selected)
     loss = loss / loss_normalizer(s.loss_type, mask, WIDTH)
-    return loss.detach(), torch.autograd.grad(loss, leaf)[0]
+    if entropy_coef:
+        acted = mask if selected is None else mask * selected
+        loss = loss - entropy_coef * (ent * acted).sum() / acted.sum()
+    return loss.detach(), torch.cat(torch.autograd.grad(loss, [leaf, ent], allow_unused=True, materialize_grads=True))
 
 
 def _cases():
@@ -208,10 +218,10 @@ def _cases():
                          f"{'-temps' if s.sapo_temperature_pos != 1.0 else ''}{'-k' if s.vespo_k_pos != 2.0 else ''}")
 @pytest.mark.parametrize("sampler_weights", [False, True], ids=["", "is-weights"])
 def test_every_loss_and_option_equals_trls_formula(trl_trainer, settings, sampler_weights):
-    logp, old, ref, mask, adv, weights = _inputs()
+    logp, old, ref, mask, adv, weights, entropies = _inputs()
     weights = weights if sampler_weights else None
-    theirs, theirs_grad = _trl_loss(trl_trainer, settings, logp, old, ref, mask, adv, weights)
-    ours, ours_grad = _localrl_loss(settings, logp, old, ref, mask, adv, weights)
+    theirs, theirs_grad = _trl_loss(trl_trainer, settings, logp, old, ref, mask, adv, weights, entropies)
+    ours, ours_grad = _localrl_loss(settings, logp, old, ref, mask, adv, weights, entropies)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-12)
     assert (ours_grad - theirs_grad).abs().max() <= 1e-6 * theirs_grad.abs().max()
     assert theirs_grad.abs().max() > 0
@@ -221,9 +231,30 @@ def test_the_options_change_the_loss_where_they_should():
     """Each option changes the gradient on these inputs (else the parity cases could not tell it was ignored)."""
     from localrl.losses import LossSettings
 
-    logp, old, ref, mask, adv, _ = _inputs()
-    grad = lambda **kw: _localrl_loss(LossSettings(**kw), logp, old, ref, mask, adv, None)[1]  # noqa: E731
+    logp, old, ref, mask, adv, _, entropies = _inputs()
+    grad = lambda **kw: _localrl_loss(LossSettings(**kw), logp, old, ref, mask, adv, None, entropies)[1]  # noqa: E731
     base = grad(beta=0.04)
     for change in ({"epsilon_high": 0.28}, {"delta": 1.25}, {"importance_sampling_level": "sequence"},
+                   {"off_policy_mask_threshold": 0.005},
                    {"use_bias_correction_kl": False}, *({"loss_type": t} for t in LOSS_TYPES if t != "grpo")):
         assert (grad(**{"beta": 0.04, **change}) - base).abs().max() > 1e-4 * base.abs().max(), change
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("quantile, entropy_coef, off_policy", [(0.4, 0.0, 0.0), (1.0, 0.01, 0.0), (0.4, 0.01, 0.005),
+                                                                (1.0, 0.0, 0.005)],
+                         ids=["top-entropy", "entropy-bonus", "all-three", "off-policy-mask"])
+def test_entropy_controls_and_the_off_policy_mask_equal_trls(trl_trainer, loss_type, quantile, entropy_coef,
+                                                              off_policy):
+    from localrl.losses import LossSettings
+
+    logp, old, ref, mask, adv, _, entropies = _inputs()
+    s = LossSettings(loss_type, beta=0.04, off_policy_mask_threshold=off_policy,
+                     **({"epsilon_high": 1.3} if loss_type == "cispo" else {}))
+    theirs, theirs_grad = _trl_loss(trl_trainer, s, logp, old, ref, mask, adv, None, entropies, quantile, entropy_coef)
+    ours, ours_grad = _localrl_loss(s, logp, old, ref, mask, adv, None, entropies, quantile, entropy_coef)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-12)
+    assert (ours_grad - theirs_grad).abs().max() <= 1e-6 * theirs_grad.abs().max()
+    plain = _localrl_loss(LossSettings(loss_type, beta=0.04, **({"epsilon_high": 1.3} if loss_type == "cispo" else {})),
+                          logp, old, ref, mask, adv, None, entropies)[1]
+    assert (ours_grad - plain).abs().max() > 1e-6  # the option did something here
