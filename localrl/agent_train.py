@@ -84,7 +84,7 @@ def task_seeds(cfg: TrainConfig, step: int) -> list[int]:
 
 
 def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConfig, stops: list[int],
-               max_context: int, budget=None, reference=None) -> dict:
+               max_context: int, budget=None, reference=None, entropy_coef: float | None = None) -> dict:
     """One whole agentic GRPO step; returns its metrics record."""
     t0 = time.time()
     device = next(model.parameters()).device
@@ -99,7 +99,7 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     # dr_grpo's constant: the longest trajectory's model tokens could be max_turns full turns
     stats = update(model, optimizer, rollout, rewards, replace(cfg, max_new_tokens=cfg.max_turns * cfg.max_new_tokens),
-                   step, budget, reference=reference)
+                   step, budget, reference=reference, entropy_coef=entropy_coef)
     elapsed = time.time() - t0
     model_tokens = int(episodes.rollout.trained_mask.sum())
     return {
@@ -122,6 +122,7 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
         "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
         "isolation": setup.isolation,
+        **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
         **{k: v for k, v in episodes.stats.items() if k != "success"},
     }
 

@@ -114,6 +114,13 @@ class TrainConfig:
                                           "entropy (Beyond the 80/20 Rule: 0.2); 1.0: all")
     entropy_coef: float = _f(0.0, "entropy bonus: minus this times the mean token entropy is added to the loss "
                                   "(on the tokens the policy loss keeps)")
+    use_adaptive_entropy: bool = _f(False, "Skywork-OR1's adaptive entropy control: the bonus applies while the "
+                                           "entropy is at most entropy_target, and its coefficient rises by "
+                                           "entropy_coef_delta after each step below the target, falls otherwise")
+    entropy_target: float = _f(0.2, "adaptive entropy: target mean token entropy (nats)")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy: step of the coefficient")
+    entropy_coef_min: float = _f(0.0, "adaptive entropy: lowest coefficient")
+    entropy_coef_max: float = _f(1.0, "adaptive entropy: highest coefficient")
     off_policy_mask_threshold: float = _f(0.0, "DeepSeek-V3.2's off-policy sequence mask: drop completions with a "
                                                "negative advantage whose mean log-ratio to the sampler exceeds "
                                                "this; 0: off")
@@ -175,6 +182,9 @@ class TrainConfig:
             ("importance_sampling_level", self.importance_sampling_level in ("token", "sequence"),
              "must be token or sequence"),
             ("top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "must be in [0, 1]"),
+            ("entropy_coef_delta", self.entropy_coef_delta >= 0, "must be non-negative"),
+            ("entropy_coef_max", self.entropy_coef_min <= self.entropy_coef_max,
+             f"must be at least entropy_coef_min ({self.entropy_coef_min})"),
             ("off_policy_mask_threshold", self.off_policy_mask_threshold >= 0, "must be non-negative (0: off)"),
             ("scale_rewards", self.scale_rewards in SCALE_REWARDS, f"must be one of {', '.join(SCALE_REWARDS)}"),
             *[(name, getattr(self, name) > 0, "must be positive") for name in (

@@ -8,7 +8,9 @@ to but not trained on).
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +24,8 @@ from localrl.rollout import Rollout
 
 
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
-           sampler_logp: torch.Tensor | None = None, reference: Reference | None = None) -> dict:
+           sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
+           entropy_coef: float | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages, the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
@@ -30,9 +33,39 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference)
+    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,
+                      entropy_coef)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient through a run: ``entropy_coef``, or with ``use_adaptive_entropy``
+    Skywork-OR1's controller as TRL has it: the coefficient applies only while the last step's entropy was
+    at most ``entropy_target`` (none before the first measurement), and after each step it rises by
+    ``entropy_coef_delta`` if the entropy was at most the target and falls by it otherwise, within
+    [``entropy_coef_min``, ``entropy_coef_max``]. Checkpointed with the run (``state``)."""
+
+    coef: float
+    last_entropy: float = math.inf
+
+    def applied(self, cfg: TrainConfig) -> float:
+        if not cfg.use_adaptive_entropy:
+            return cfg.entropy_coef
+        return self.coef if self.last_entropy <= cfg.entropy_target else 0.0
+
+    def observe(self, entropy: float | None, cfg: TrainConfig) -> None:
+        if not cfg.use_adaptive_entropy or entropy is None:
+            return
+        if entropy <= cfg.entropy_target:
+            self.coef = min(self.coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self.last_entropy = entropy
+
+    def state(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
 
 
 def batch_plan(model, rollout: Rollout, cfg: TrainConfig, step: int, budget=None) -> tuple[int, int]:
@@ -59,16 +92,19 @@ def row_slices(n: int, size: int) -> list[slice]:
 
 def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
               micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None,
-              reference: Reference | None = None) -> dict:
+              reference: Reference | None = None, entropy_coef: float | None = None) -> dict:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights;
-    ``reference``: the KL reference (default: the base)."""
+    ``reference``: the KL reference (default: the base); ``entropy_coef``: the bonus's coefficient this step
+    (default ``cfg.entropy_coef``; ``EntropyControl`` decides it under adaptive control)."""
     device = next(model.parameters()).device
     n = loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens)  # of the whole batch
     settings = LossSettings.of(cfg)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    bonus = coef != 0 or cfg.use_adaptive_entropy  # entropies are measured even while the coefficient is 0
     select_tokens = cfg.top_entropy_quantile < 1
-    with_entropy = select_tokens or cfg.entropy_coef != 0
+    with_entropy = select_tokens or bonus
     full = rollout  # the high-entropy threshold is of every completion token of the step
 
     def entropy_threshold():
@@ -82,7 +118,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
         threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
         return threshold, high_entropy_mask(entropies, whole_mask, threshold).sum().clamp(min=1).item()
 
-    if cfg.beta == 0 and cfg.entropy_coef == 0:
+    if cfg.beta == 0 and not bonus:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
         # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
@@ -130,7 +166,7 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
                 if with_entropy:  # the bonus is the mean entropy of the tokens the policy term acts on
                     acted = mask[c] if selected is None else mask[c] * selected
                     entropy_sum = (entropy * acted).sum()
-                    total = total - cfg.entropy_coef * entropy_sum / entropy_tokens
+                    total = total - coef * entropy_sum / entropy_tokens
                     totals["entropy"] += entropy_sum.item() / entropy_tokens / cfg.num_iterations
                 total.backward()
                 weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed

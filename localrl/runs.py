@@ -214,22 +214,23 @@ class Run:
                     if _LEFTOVER.match(stale.name):
                         _remove(stale)
 
-    def save_checkpoint(self, step: int, model, optimizer, keep: int = 2, reference=None) -> Path:
-        """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``. ``reference``: the
-        run's synced KL reference (``localrl.reference.Reference``), if any."""
+    def save_checkpoint(self, step: int, model, optimizer, keep: int = 2, run_state: dict | None = None) -> Path:
+        """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``. ``run_state``: what
+        else the trainer carries from step to step (a synced KL reference, an adaptive coefficient)."""
         final = self.checkpoints_dir / f"step-{step:06d}"
         with atomic_dir(final, fsync=True) as tmp:
             model.save_pretrained(str(tmp))
             torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(),
-                        "reference": reference.state if reference is not None else None}, tmp / STATE_FILE)
+                        "run_state": run_state or {}}, tmp / STATE_FILE)
         for old in self.checkpoints()[:-keep]:
             # rename first: a kill mid-delete leaves a .old-* leftover, never a step-* without its files
             _remove(old)
         return final
 
-    def restore(self, model, optimizer, log: Callable[[str], None] = print, reference=None) -> int:
+    def restore(self, model, optimizer, log: Callable[[str], None] = print, run_state: dict | None = None) -> int:
         """Load the newest checkpoint that loads into ``model`` and ``optimizer``; the step it saved.
 
+        ``run_state`` is updated with what the checkpoint saved of it.
         0 when the run has saved none yet. A damaged newest checkpoint falls back to an older
         one, with a line; a run whose metrics record a checkpoint that is gone is refused
         rather than silently restarted from step 0.
@@ -238,7 +239,7 @@ class Run:
         errors = []
         for ckpt in reversed(found):
             try:
-                step = _load_checkpoint(ckpt, model, optimizer, reference)
+                step = _load_checkpoint(ckpt, model, optimizer, run_state)
             except UserError as e:
                 errors.append(str(e))
                 log(f"{e}; trying the checkpoint before it")
@@ -384,7 +385,7 @@ def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
-def _load_checkpoint(ckpt: Path, model, optimizer, reference=None) -> int:
+def _load_checkpoint(ckpt: Path, model, optimizer, run_state: dict | None = None) -> int:
     """Restore adapter weights, optimizer and RNG state from ``ckpt``; returns its step. Every file
     is read before anything is changed, so a damaged checkpoint leaves model and optimizer as they were."""
     from safetensors.torch import load_file
@@ -396,8 +397,8 @@ def _load_checkpoint(ckpt: Path, model, optimizer, reference=None) -> int:
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:  # a damaged file must stop resume with one line, not a traceback
         raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None
-    if reference is not None:
-        reference.state = state.get("reference")
+    if run_state is not None:
+        run_state.update(state.get("run_state", {}))
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -35,7 +35,7 @@ from localrl.agent_train import EnvSetup, agent_step, env_setup, evaluate_episod
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.grpo import update
+from localrl.grpo import EntropyControl, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
@@ -251,9 +251,13 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         run.remove_leftovers()
-        start, history, reference = 0, [], Reference()
+        start, history, run_state = 0, [], {}
         if resume:
-            start = run.restore(model, optimizer, log, reference)
+            start = run.restore(model, optimizer, log, run_state)
+        reference = Reference(run_state.get("reference"))
+        entropy = EntropyControl(run_state.get("entropy_coef", cfg.entropy_coef),
+                                 run_state.get("last_entropy", float("inf")))
+        if resume:
             # steps after the checkpoint will be recomputed: drop their records
             history = [r for r in read_metrics(run.metrics_path)
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
@@ -292,16 +296,19 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                         record = sft_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.budget)
                     elif pre.env:
                         record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.context,
-                                            pre.budget, reference)
+                                            pre.budget, reference, entropy.applied(cfg))
                     else:
                         record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
-                                            pre.budget, sampler, reference)
+                                            pre.budget, sampler, reference, entropy.applied(cfg))
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not _is_out_of_memory(e):
                         raise
                     raise UserError(f"step {step + 1}: out of memory ({_first_line(e)}); lower group_size, "
                                     f"prompts_per_step or max_new_tokens, or set memory_budget; --resume "
                                     f"{run.path} continues from the last checkpoint") from None
+                if cfg.use_adaptive_entropy:
+                    record["entropy_coef"] = entropy.applied(cfg)
+                    entropy.observe(record.get("entropy"), cfg)
                 if cfg.sync_ref_model and (step + 1) % cfg.ref_model_sync_steps == 0:
                     reference.sync(model, cfg.ref_model_mixup_alpha)
                     if cfg.reset_optimizer_on_sync:
@@ -316,7 +323,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     log(f"warning: {warning['message']}")
                 done = step + 1
                 if stop_flag.requested or done % cfg.save_every == 0 or done == cfg.steps:
-                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints, reference)
+                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints,
+                                        {"reference": reference.state, **entropy.state()})
                     sink.emit({"kind": "checkpoint", "step": done})
                 if stop_flag.requested:
                     interrupted = True
@@ -384,7 +392,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_fns: list[RewardFn],
-               weights: list[float], stops: list[int], budget=None, sampler=None, reference=None) -> dict:
+               weights: list[float], stops: list[int], budget=None, sampler=None, reference=None,
+               entropy_coef: float | None = None) -> dict:
     """One whole GRPO step (sample, score, update) on ``task``'s rows of ``step``; returns its metrics record.
     ``sampler``: a LlamaCppRollout to sample with instead of the torch policy. With ``dynamic_sampling``,
     more rows are sampled while fewer than ``prompts_per_step`` groups have rewards that differ."""
@@ -417,7 +426,11 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
             sampler_logp = sampler_logp[rows_kept, :train_rollout.completion_ids.size(1)]
     else:
         train_rollout, train_rewards = rollout, rewards
-    stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp, reference)
+    if cfg.mask_truncated_completions:  # cut-off completions still shape their group's advantages
+        train_rollout = replace(train_rollout, loss_mask=train_rollout.trained_mask
+                                * (~train_rollout.truncated)[:, None].long())
+    stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp, reference,
+                   entropy_coef)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
     return {
@@ -440,6 +453,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
         **({"sampled_prompts": sampled_prompts} if cfg.dynamic_sampling else {}),
+        **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
         **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
     }
 

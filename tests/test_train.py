@@ -269,3 +269,26 @@ def test_reference_sync_makes_the_kl_zero_right_after_it_and_resumes_exactly(bui
     train(small(tmp_path / "part", steps=3, **sync), **QUIET)
     train(resume_config(tmp_path / "part", {"steps": 4}), resume=True, **QUIET)
     assert train_records(tmp_path / "part") == records
+
+
+def test_adaptive_entropy_control_raises_its_coefficient_below_the_target_and_resumes_exactly(tmp_path):
+    adaptive = {"use_adaptive_entropy": True, "entropy_target": 50.0, "entropy_coef_delta": 0.01,
+                "entropy_coef_max": 0.025, "save_every": 1}
+    train(small(tmp_path / "full", steps=4, **adaptive), **QUIET)
+    records = train_records(tmp_path / "full")
+    # no bonus before the first measurement; then +delta after each step whose entropy was below the target
+    assert [r["entropy_coef"] for r in records] == pytest.approx([0.0, 0.01, 0.02, 0.025])
+    assert all(0 < r["entropy"] < 50 for r in records)
+    train(small(tmp_path / "part", steps=2, **adaptive), **QUIET)
+    train(resume_config(tmp_path / "part", {"steps": 4}), resume=True, **QUIET)
+    assert train_records(tmp_path / "part") == records
+
+
+def test_truncated_completions_can_be_left_out_of_a_single_turn_loss(tmp_path):
+    """With 2 new tokens every completion is cut off: masked, the adapter never moves."""
+    train(small(tmp_path / "run", steps=1, max_new_tokens=2, mask_truncated_completions=True,
+                reward="tests.test_train:signal_on_odd_answers"), **QUIET)
+    [record] = train_records(tmp_path / "run")
+    assert record["truncated"] == 1.0 and record["frac_reward_zero_std"] < 1
+    adapter = load_file(str(tmp_path / "run" / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
+    assert all((v == 0).all() for k, v in adapter.items() if "lora_B" in k)
