@@ -95,8 +95,6 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
     t_gen = time.time() - t0
     rollout = episodes.rollout
     rewards = torch.tensor(episodes.rewards, dtype=torch.float64)
-    if cfg.mask_truncated_completions:  # unanswered episodes still shape their group's advantages
-        rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     # dr_grpo's constant: the longest trajectory's model tokens could be max_turns full turns
     stats = update(model, optimizer, rollout, rewards, replace(cfg, max_new_tokens=cfg.max_turns * cfg.max_new_tokens),
                    step, budget, reference=reference, entropy_coef=entropy_coef)
@@ -128,8 +126,9 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
 
 
 @torch.no_grad()
-def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], max_context: int, progress: Callable[[int, int], None] | None = None,
-                      batch_size: int = 32, samples: int = 0) -> dict:
+def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list[int], max_context: int,
+                      progress: Callable[[int, int], None] | None = None, batch_size: int = 32,
+                      samples: int = 0) -> dict:
     """Greedy episodes of every held-out task: success rate (reward 1) overall and per family, each with
     a 95% Wilson interval, the mean reward, turns, tool calls and invalid calls per episode."""
     tasks = setup.held_out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,11 +26,14 @@ from localrl.rollout import Rollout
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
            entropy_coef: float | None = None) -> dict:
-    """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages, the memory
+    """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
+    completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).float()
     flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
+    if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
+        rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
     stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,

@@ -426,9 +426,6 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
             sampler_logp = sampler_logp[rows_kept, :train_rollout.completion_ids.size(1)]
     else:
         train_rollout, train_rewards = rollout, rewards
-    if cfg.mask_truncated_completions:  # cut-off completions still shape their group's advantages
-        train_rollout = replace(train_rollout, loss_mask=train_rollout.trained_mask
-                                * (~train_rollout.truncated)[:, None].long())
     stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp, reference,
                    entropy_coef)
     elapsed = time.time() - t0
