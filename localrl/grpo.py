@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from localrl.config import TrainConfig
+from localrl.distributed import world
 from localrl.errors import UserError
 from localrl.losses import (LossSettings, group_advantages, grpo_loss, high_entropy_mask, high_entropy_threshold,
                             importance_weights, loss_normalizer, masked_mean)
@@ -30,8 +31,14 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
-    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).float()
-    flat_groups = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
+    w = world()
+    # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
+    everyone = w.gather(rewards.tolist())
+    all_rewards = torch.tensor(sum(everyone, []), dtype=rewards.dtype)
+    offset = sum(map(len, everyone[:w.rank]))
+    advantages = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards).float()
+    advantages = advantages[offset:offset + rewards.numel()]
+    flat_groups = (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     model.train()
@@ -90,6 +97,8 @@ def batch_plan(model, rollout: Rollout, cfg: TrainConfig, step: int, budget=None
 
 def row_slices(n: int, size: int) -> list[slice]:
     size = size or n
+    if n == 0:
+        return []
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -101,7 +110,8 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     ``reference``: the KL reference (default: the base); ``entropy_coef``: the bonus's coefficient this step
     (default ``cfg.entropy_coef``; ``EntropyControl`` decides it under adaptive control)."""
     device = next(model.parameters()).device
-    n = loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens)  # of the whole batch
+    w = world()  # under torchrun: this rank's rows, and collectives that make the step the global batch's
+    n, = w.sum(loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens))  # of the whole batch
     settings = LossSettings.of(cfg)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
@@ -114,12 +124,17 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
         """This pass's entropy threshold and the count of tokens the entropy bonus averages over."""
         whole_mask = full.trained_mask.to(device)
         if not select_tokens:
-            return None, whole_mask.sum().clamp(min=1).item()
+            return None, max(w.sum(whole_mask.sum().item())[0], 1)
         with torch.no_grad(), forward(model, full, cfg.temperature, logits_chunk) as fwd:
             entropies = torch.cat([fwd.logprobs(c, with_entropy=True)[1]
                                    for c in row_slices(full.completion_ids.size(0), micro_batch)])
-        threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
-        return threshold, high_entropy_mask(entropies, whole_mask, threshold).sum().clamp(min=1).item()
+        if w.distributed:  # the quantile of every rank's tokens
+            values = torch.tensor(sum(w.gather(entropies[whole_mask.bool()].tolist()), []), device=device)
+            threshold = high_entropy_threshold(values, torch.ones_like(values), cfg.top_entropy_quantile)
+        else:
+            threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
+        selected = high_entropy_mask(entropies, whole_mask, threshold).sum().item()
+        return threshold, max(w.sum(selected)[0], 1)
 
     if cfg.beta == 0 and not bonus:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
@@ -127,9 +142,11 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
         # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
         # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
         keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
-        if not keep.any():
+        if not w.any(bool(keep.any())):
             return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
-        if not keep.all():
+        if not keep.any():  # (distributed: other ranks have groups to learn from; this one adds zeros)
+            rollout, advantages = rollout.groups(keep), advantages[:0]
+        elif not keep.all():
             rows = keep.repeat_interleave(rollout.group_size)
             rollout, advantages = rollout.groups(keep), advantages[rows]
             if sampler_logp is not None:
@@ -140,6 +157,8 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
     adv = advantages.to(device)
 
     def frozen_logprobs(context) -> list[torch.Tensor]:
+        if not chunks:
+            return []
         with torch.no_grad(), context, forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
             return [fwd.logprobs(c) for c in chunks]
 
@@ -152,10 +171,13 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
         totals["is_weight"] = 0.0
     if with_entropy:
         totals["entropy"] = 0.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    allreduce_s = 0.0
     for _ in range(cfg.num_iterations):
         threshold, entropy_tokens = entropy_threshold() if with_entropy else (None, 1)
         optimizer.zero_grad(set_to_none=True)
-        with forward(model, rollout, cfg.temperature, logits_chunk) as fwd:  # leaving it finishes the prompt backward
+        # leaving the forward's context finishes the prompt backward
+        with forward(model, rollout, cfg.temperature, logits_chunk) if chunks else nullcontext() as fwd:
             for i, c in enumerate(chunks):
                 logp, entropy = fwd.logprobs(c, with_entropy=True) if with_entropy else (fwd.logprobs(c), None)
                 old_logp = old[i] if old is not None else logp.detach()
@@ -179,9 +201,16 @@ def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg:
                 totals["loss"] += loss.item() / n / cfg.num_iterations
                 totals["kl"] += stats.get("kl", 0.0) * weight
                 totals["clip_frac"] += stats["clip_frac"] * weight
+        allreduce_s += w.all_reduce_gradients(params)
         if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
+    if w.distributed:  # the global batch's statistics: sums (already over the global normaliser) and row means
+        keys = list(totals)
+        per_row = {"kl", "clip_frac", "is_weight"}
+        sums = w.sum(*(totals[k] * (trained if k in per_row else 1) for k in keys), trained)
+        totals = {k: v / max(sums[-1], 1) if k in per_row else v for k, v in zip(keys, sums)}
+        totals["allreduce_s"] = round(allreduce_s, 4)
     if cfg.beta == 0:
         totals["kl"] = None
     return totals

@@ -118,7 +118,9 @@ def load_tokenizer(path: str):
 def load_base(path: str, load_in_4bit: bool, device: torch.device):
     """The base model, frozen, with its linear layers in NF4 when ``load_in_4bit``."""
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kwargs = {"dtype": compute_dtype, "device_map": {"": device.type}}
+    # the whole model on this one device (a rank's own GPU under torchrun): never "auto", which would
+    # split it across GPUs
+    kwargs = {"dtype": compute_dtype, "device_map": {"": str(device)}}
     if load_in_4bit:
         kwargs["quantization_config"] = nf4_config(compute_dtype)
     model = _from_pretrained(path, **kwargs)

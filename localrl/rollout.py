@@ -1,9 +1,10 @@
 """Grouped sampling: each prompt is prefilled once, then its G completions are decoded from that cache.
 
 A small, explicit decode loop instead of ``model.generate``: it prefills the left-padded
-prompts once, repeats the key/value cache G times per prompt, and samples with a
-caller-owned ``torch.Generator`` so that a run is reproducible step by step (and on
-resume). Temperature 0 means greedy decoding.
+prompts once, repeats the key/value cache G times per prompt, and samples with
+caller-owned ``torch.Generator``s so that a run is reproducible step by step (and on
+resume). With one generator per prompt, a group's completions do not depend on which other
+prompts share its batch (or its rank, in a distributed run). Temperature 0 means greedy decoding.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ def sample_groups(
     stop_ids: list[int],
     pad_id: int,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> Rollout:
-    """Sample ``group_size`` completions for every prompt (token-id lists)."""
+    """Sample ``group_size`` completions for every prompt (token-id lists); ``generator``: one for the batch,
+    or one per prompt (its group's completions are drawn from it alone)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -101,7 +103,11 @@ def sample_groups(
     for t in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            if isinstance(generator, list):
+                tok = torch.cat([torch.multinomial(probs[b * group_size:(b + 1) * group_size], 1, generator=g)
+                                 for b, g in enumerate(generator)]).squeeze(-1)
+            else:
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         else:
             tok = logits.argmax(-1)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)

@@ -33,6 +33,7 @@ import torch
 from localrl.agent_rollout import TurnFormat, trajectory_budget
 from localrl.agent_train import EnvSetup, agent_step, env_setup, evaluate_episodes
 from localrl.config import TrainConfig
+from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.grpo import EntropyControl, update
@@ -103,6 +104,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     every prompt (it must fit the model's context together with max_new_tokens), and the memory a
     step needs against what is free."""
     cfg.validate()
+    check_distributed(cfg, world())
     resolve_rewards(cfg.reward, cfg.reward_weights)
     path, config = load_config(cfg.model)
     check_weights(path)
@@ -135,7 +137,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
 
     task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system)
     probe_rewards(cfg, (task.held_out or task.sample(0, 2, cfg.seed))[:2])
-    device = pick_device(cfg.device)
+    device = rank_device(pick_device(cfg.device), world())
     shape = ModelShape.from_config(config)
     in_4bit, why = choose_4bit(cfg, shape, longest, device)
     budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit) if cfg.memory_budget else None
@@ -163,7 +165,7 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
         raise UserError(f"config field max_new_tokens: a held-out task's prompt is {longest} tokens; with "
                         f"max_new_tokens {cfg.max_new_tokens} a turn does not fit the model's context of {context} "
                         f"tokens", field="max_new_tokens")
-    device = pick_device(cfg.device)
+    device = rank_device(pick_device(cfg.device), world())
     shape = ModelShape.from_config(config)
     # the longest trajectory: every turn and tool output at its limit, within the context
     budget_tokens = min(context - longest, trajectory_budget(fmt, cfg.max_turns, cfg.max_new_tokens))
@@ -181,12 +183,27 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
                      f"{what}; sandbox isolation: {env.isolation}", path, env, context)
 
 
+def check_distributed(cfg: TrainConfig, w: World) -> None:
+    """What a run launched on several ranks (torchrun) cannot do, refused in one line."""
+    if not w.distributed:
+        return
+    if cfg.objective == "sft":
+        raise UserError(f"config field objective: sft runs in one process; launch it without torchrun (this "
+                        f"launch has {w.size} ranks)", field="objective")
+    if cfg.rollout == "llama.cpp":
+        raise UserError(f"config field rollout: under torchrun ({w.size} ranks) each rank samples with torch "
+                        f"(rollout = auto or torch)", field="rollout")
+
+
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
     """Who samples the completions ("torch" or "llama.cpp"), and why in words. "auto": llama.cpp on a CPU
     (batched decoding, measured 1.9-2.7x torch's full-precision sampler by `localrl bench rollout`) when
-    llama-cpp-python is installed and the model can be written as GGUF; torch otherwise."""
+    llama-cpp-python is installed and the model can be written as GGUF; torch otherwise, and on each rank
+    of a distributed run."""
     if cfg.rollout == "torch":
         return "torch", "rollouts: torch (rollout = torch)"
+    if world().distributed:
+        return "torch", f"rollouts: torch on each of {world().size} ranks (torchrun)"
     import importlib.util
 
     from localrl.quant.export import check_exportable
@@ -224,22 +241,25 @@ def _status(stage: str, message: str, **progress) -> dict:
 
 def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None,
           listeners: list[Listener] | tuple = (), resume: bool = False, log=print) -> RunResult:
-    """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint."""
-    pre = preflight(cfg, resume)  # bad config, data, model or memory stops here, before anything is written
+    """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint. Launched by
+    torchrun, each rank runs this with its own share of every step (distributed.py); rank 0 alone writes
+    the run directory, reports to ``listeners`` and logs."""
+    w = init_from_env()
+    if not w.is_main:
+        listeners, log = (), lambda *_: None
+    # bad config, data, model or memory stops here, before anything is written (on rank 0 first: a GGUF model
+    # is converted once, into the cache the other ranks then read)
+    pre = w.rank_0_first(lambda: preflight(cfg, resume))
     task, device = pre.task, pre.device
     reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache,
                                                      cfg.max_new_tokens, cfg.reward_weights)
     base = base_fingerprint(cfg.model)
-    if resume:
-        run = Run.open(cfg.run_dir, "resume")
-        run.check_base(base)
-    else:
-        run = Run.create(cfg.run_dir or None, log)
+    run = _open_run(cfg, base, resume, w, log)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # a new run records from the start; a resumed one only once its checkpoint has loaded, so that a
     # failed resume leaves its directory exactly as it was
-    sink = MetricsSink(None if resume else run.metrics_path, listeners)
+    sink = MetricsSink(None if resume or not w.is_main else run.metrics_path, listeners)
     sampler = None  # the llama.cpp rollout backend, when chosen
     try:
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
@@ -250,14 +270,16 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                                       pre.longest_prompt + cfg.max_new_tokens, log=lambda *_: None)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        run.remove_leftovers()
+        if w.is_main:
+            run.remove_leftovers()
+        w.barrier()  # (rank 0's cleaning done before any rank reads a checkpoint)
         start, history, run_state = 0, [], {}
         if resume:
             start = run.restore(model, optimizer, log, run_state)
         reference = Reference(run_state.get("reference"))
         entropy = EntropyControl(run_state.get("entropy_coef", cfg.entropy_coef),
                                  run_state.get("last_entropy", float("inf")))
-        if resume:
+        if resume and w.is_main:
             # steps after the checkpoint will be recomputed: drop their records
             history = [r for r in read_metrics(run.metrics_path)
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
@@ -267,12 +289,15 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             source = adapter_source(cfg, base)
             load_adapter_weights(model, source)
             log(f"adapter initialised from {source}")
-        run.write_config(cfg, base)  # from here on the run can be resumed
+        w.broadcast_parameters(params)  # every rank starts from rank 0's adapter
+        if w.is_main:
+            run.write_config(cfg, base)  # from here on the run can be resumed
+        w.barrier()
     except BaseException as e:
         sink.close()
         if sampler is not None:
             sampler.close()
-        if not resume:
+        if not resume and w.is_main:
             run.discard()
         if isinstance(e, KeyboardInterrupt):
             log("interrupted before training started: nothing was saved")
@@ -282,10 +307,11 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     try:
         eval_before = next((r for r in history if r.get("kind") == "eval" and r.get("when") == "before"), None)
         held_out = pre.env.held_out if pre.env else task.held_out
-        if eval_before is None and cfg.eval_size and held_out:
+        if eval_before is None and cfg.eval_size and held_out and w.is_main:
             eval_before = {"kind": "eval", "when": "before", "step": 0,
                            **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "before", sampler, stops)}
             sink.emit(eval_before)
+        w.barrier()  # (the other ranks wait for rank 0's evaluation)
 
         interrupted, done, t_run, flat_steps = False, start, time.time(), 0
         wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
@@ -306,6 +332,12 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     raise UserError(f"step {step + 1}: out of memory ({_first_line(e)}); lower group_size, "
                                     f"prompts_per_step or max_new_tokens, or set memory_budget; --resume "
                                     f"{run.path} continues from the last checkpoint") from None
+                except UserError as e:
+                    if not w.is_main:  # a problem of this rank's share of the step: the CLI names the rank
+                        e.rank = w.rank
+                    raise
+                if w.distributed:
+                    record = pool_records(w.gather(record))
                 if cfg.use_adaptive_entropy:
                     record["entropy_coef"] = entropy.applied(cfg)
                     entropy.observe(record.get("entropy"), cfg)
@@ -322,24 +354,49 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     sink.emit(warning)
                     log(f"warning: {warning['message']}")
                 done = step + 1
-                if stop_flag.requested or done % cfg.save_every == 0 or done == cfg.steps:
-                    run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints,
-                                        {"reference": reference.state, **entropy.state()})
-                    sink.emit({"kind": "checkpoint", "step": done})
-                if stop_flag.requested:
+                stop = w.any(stop_flag.requested)  # every rank stops after the same step
+                if stop or done % cfg.save_every == 0 or done == cfg.steps:
+                    if w.is_main:
+                        run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints,
+                                            {"reference": reference.state, **entropy.state()})
+                        sink.emit({"kind": "checkpoint", "step": done})
+                    w.barrier()
+                if stop:
                     interrupted = True
                     log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run.path}")
                     break
         eval_after = None
-        if not interrupted and cfg.eval_size and held_out:
+        if not interrupted and cfg.eval_size and held_out and w.is_main:
             eval_after = {"kind": "eval", "when": "after", "step": done,
                           **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "after", sampler, stops)}
             sink.emit(eval_after)
+        w.barrier()
     finally:
         sink.close()
         if sampler is not None:
             sampler.close()
     return RunResult(run.path, done, interrupted, eval_before, eval_after)
+
+
+def _open_run(cfg: TrainConfig, base: dict, resume: bool, w: World, log) -> Run:
+    """The run directory: opened to resume (on every rank, which all load its checkpoint) or made by rank 0,
+    whose path (or the one line saying why it cannot be) the other ranks receive."""
+    if resume:
+        run = Run.open(cfg.run_dir, "resume")
+        run.check_base(base)
+        return run
+    if not w.distributed:
+        return Run.create(cfg.run_dir or None, log)
+    made: tuple[str, str] = ("", "")
+    if w.is_main:
+        try:
+            made = (str(Run.create(cfg.run_dir or None, log).path), "")
+        except UserError as e:
+            made = ("", str(e))
+    path, problem = w.broadcast(made)
+    if problem:
+        raise UserError(problem)
+    return Run(path)
 
 
 FLAT_STEPS_WARNING = 3  # consecutive steps without a learning signal before the run says so
@@ -398,17 +455,18 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
     ``sampler``: a LlamaCppRollout to sample with instead of the torch policy. With ``dynamic_sampling``,
     more rows are sampled while fewer than ``prompts_per_step`` groups have rewards that differ."""
     t0 = time.time()
-    device = next(model.parameters()).device
+    w = world()
     seed = cfg.seed * 1_000_003 + step
-    generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
-    rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
-    rounds = [_sample_round(model, tok, task, rows, cfg, reward_fns, stops, sampler, seed, generator)]
+    # this rank's prompts of the global batch (prompts_per_step x ranks), and their global indices
+    share = w.shard(cfg.prompts_per_step)
+    rows = task.sample(step, cfg.prompts_per_step * w.size, cfg.seed)[share]
+    rounds = [_sample_round(model, tok, task, rows, cfg, reward_fns, stops, sampler, seed, share)]
     while cfg.dynamic_sampling and len(rounds) <= cfg.dynamic_sampling_rounds and \
             sum(informative for r in rounds for informative in r.informative(weights)) < cfg.prompts_per_step:
-        more = task.resample(step, len(rounds), cfg.prompts_per_step, cfg.seed)
+        more = task.resample(step, len(rounds), cfg.prompts_per_step * w.size, cfg.seed)[share]
         rounds.append(_sample_round(model, tok, task, more, cfg, reward_fns, stops, sampler, seed + len(rounds),
-                                    generator))
+                                    share))
     t_gen = time.time() - t0
     rollout = concat_rollouts([r.rollout for r in rounds], tok.pad_token_id)
     scores = [sum((r.scores[i] for r in rounds), []) for i in range(len(reward_fns))]
@@ -430,9 +488,11 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
                    entropy_coef)
     elapsed = time.time() - t0
     gen_tokens = int(rollout.completion_mask.sum())
+    device = next(model.parameters()).device
     return {
         "kind": "train",
         "step": step + 1,
+        "completions": rollout.completion_ids.size(0),
         "reward_mean": rewards.mean().item(),  # of every completion sampled this step
         "reward_std": rewards.std().item(),
         "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
@@ -452,6 +512,7 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         **({"sampled_prompts": sampled_prompts} if cfg.dynamic_sampling else {}),
         **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
         **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
+        **({"allreduce_s": stats["allreduce_s"]} if "allreduce_s" in stats else {}),
     }
 
 
@@ -471,14 +532,19 @@ class _Round:
 
 
 def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, sampler, seed: int,
-                  generator: torch.Generator) -> _Round:
+                  share: slice) -> _Round:
+    """Sample and score the groups of ``rows`` (the ``share`` of the round's global batch); each group draws
+    from its own generator, seeded by (``seed``, its global index), whichever rank samples it."""
     prompts, sampler_logp = encode_prompts(tok, rows, task.system), None
     if sampler is not None:
         rollout, sampler_logp = sampler.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, stops,
                                                tok.pad_token_id, cfg.temperature, seed, cfg.lora_alpha)
     else:
+        device = next(model.parameters()).device
+        generators = [torch.Generator(device=device).manual_seed((seed * 1_000_033 + share.start + b) % 2**63)
+                      for b in range(len(rows))]
         rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
-                                cfg.temperature, generator)
+                                cfg.temperature, generators)
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
     return _Round(rollout, sampler_logp, score(reward_fns, decode_completions(tok, rollout), columns))
 

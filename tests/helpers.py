@@ -112,7 +112,7 @@ def localrl(*args, cwd=None, timeout=300, input=None) -> subprocess.CompletedPro
 
 
 TIMING_KEYS = {"tokens_per_s", "gen_s", "step_s", "wall_time", "peak_mem_mb", "sandbox_s", "env_s", "model_s",
-               "rollout_s"}  # vary run to run
+               "rollout_s", "allreduce_s"}  # vary run to run
 QUIET = {"log": lambda *_: None}
 
 

@@ -88,6 +88,8 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
     (["export", "--model-size", "tiny"], "are for prompt-cache and grpo-step"),
     (["prompt-cache", "--quant", "q8_0"], "--quant is for bench export"),
     (["prompt-cache", "--group", "1"], "shape P=1000 R=100 G=1: need P, R >= 1 and G >= 2"),
+    (["distributed", "--prompt-len", "8"], "bench distributed: takes --model, --prompts"),
+    (["distributed", "--prompts", "0"], "bench distributed: need --prompts >= 1"),
 ])
 def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert main(["bench", *argv]) == 2
@@ -171,3 +173,18 @@ def test_bench_agent_step_tiny():
     assert shared > 0 and concat > 0 and speedup > 0 and err < 1e-3
     result = json_line(proc.stdout)
     assert result["model_s"] > 0 and result["turns"] >= 1 and result["isolation"]
+
+
+@pytest.mark.slow
+def test_bench_distributed_tiny(builtin_model):
+    proc = bench("distributed", "--prompts", "1", "--group", "2", "--completion-len", "4", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^([12]) +(\d+) x (\d+) +(\S+) s +(\S+) ms +(\S+)% +(\S+) tok$", proc.stdout, re.M)
+    assert [(r[0], r[1], r[2]) for r in rows] == [("1", "1", "2"), ("2", "2", "2")], proc.stdout
+    result = json_line(proc.stdout)
+    one, two = result["rows"]
+    assert one["allreduce_s"] == 0 and two["allreduce_s"] > 0  # a single process reduces nothing
+    assert one["step_s"] > 0 and two["step_s"] > 0 and 0 < two["allreduce_share"] < 1
+    assert result["efficiency"] == pytest.approx(one["step_s"] / two["step_s"])
+    assert re.search(r"^weak-scaling efficiency, 2 processes: \S+ \(completions a second: \S+ -> \S+\); "
+                     r"all-reduce \S+% of the 2-process step$", proc.stdout, re.M), proc.stdout
