@@ -8,6 +8,7 @@
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
+    localrl analyze RUN_DIR [RUN_DIR ...] [--metric reward_mean] [--compute tokens|steps|seconds] [--out F.png]
     localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed
     torchrun --nproc-per-node N -m localrl train ...   (data-parallel: localrl/distributed.py)
 """
@@ -46,6 +47,10 @@ class ProgressBar:
         self.total = total
         self.tasks: dict[str, int] = {}
 
+    def log(self, text: str) -> None:
+        """A line above the bar, as written: not rich markup ("pip install 'localrl[llama]'" keeps its brackets)."""
+        self.console.print(text, markup=False, highlight=False)
+
     def _task(self, key: str, description: str, total: int, completed: int = 0) -> int:
         if key not in self.tasks:
             self.tasks[key] = self.progress.add_task(description, total=total, completed=completed, stats="")
@@ -57,12 +62,12 @@ class ProgressBar:
         kind = record.get("kind")
         if kind == "status":
             if "total" not in record:
-                self.console.print(record["message"])
+                self.log(record["message"])
             elif record["total"]:
                 task = self._task(f"eval-{record.get('when')}", f"eval {record.get('when')}", record["total"])
                 self.progress.update(task, completed=record["done"])
         elif kind == "eval":
-            self.console.print(f"eval {record['when']}: {_eval_line(record)}")
+            self.log(f"eval {record['when']}: {_eval_line(record)}")
         elif kind == "train":  # the clock starts at the first step, after loading and evaluation
             task = self._task("train", "train", self.total, record["step"] - 1)
             if record.get("objective") == "sft":
@@ -96,7 +101,7 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         cfg = build_config(args.config, overrides)
     bar = ProgressBar(cfg.steps)
     try:
-        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.console.print)
+        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.log)
     finally:
         bar.close()
     if not _main_rank():  # under torchrun, rank 0 reports
@@ -366,6 +371,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from localrl.analyze import analyze_run, describe, plot_curves
+
+    if args.samples < 10:
+        raise UserError(f"analyze: --samples must be at least 10 (got {args.samples})")
+    curves = [analyze_run(run, args.metric, args.compute, args.samples) for run in args.runs]
+    for curve in curves:
+        print(describe(curve, args.metric, args.compute))
+    out = plot_curves(curves, args.out, args.metric, args.compute)
+    print(f"wrote {out}")
+    if args.json:
+        print(json.dumps([{"run": c.name, "r0": c.fit.r0, "a": c.fit.a, "b": c.fit.b, "c_mid": c.fit.c_mid,
+                           "rms": c.fit.rms, "intervals": c.intervals, "predicted_end": c.predicted_end,
+                           "compute_end": c.compute_planned} for c in curves]))
+    return 0
+
+
 def cmd_baselines(args: argparse.Namespace) -> int:
     import torch
 
@@ -455,6 +477,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG file (default: RUN_DIR/learning_curve.png)")
     p.add_argument("--title", default=None)
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("analyze", help="fit ScaleRL's sigmoid (reward against compute) to runs: asymptote, "
+                       "exponent, midpoint with bootstrap intervals, the predicted end, one PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument("--metric", default="reward_mean", help="the per-step number to fit (reward_mean, accuracy, ...)")
+    p.add_argument("--compute", default="tokens", choices=["tokens", "steps", "seconds"],
+                   help="the compute axis: generated completion tokens, steps or wall-clock seconds")
+    p.add_argument("--out", default="scaling.png", help="the PNG with every run's points and fitted curve")
+    p.add_argument("--samples", type=int, default=200, help="bootstrap refits for the intervals")
+    p.add_argument("--json", action="store_true", help="also print the fits as JSON")
+    p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("agent", help="one task for an agent (a run, GGUF or model) in a directory; you approve "
                        "each command")

@@ -52,6 +52,11 @@ class TrainConfig:
     reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format or "
                                 "package.module:function; the first is the correctness reward that accuracy counts")
     reward_weights: str = _f("", "comma-separated weight of each reward in `reward` (empty: 1 each)")
+    check_reward: str = _f("auto", "a reward logged every step at weight 0 (never trained on) for the reward-hacking "
+                                   "monitor: auto (the built-in addition task's independent verifier), none, or a "
+                                   "name or module:function")
+    hacking_window: int = _f(6, "steps the reward-hacking monitor looks back: a warning when over them the training "
+                                "reward trends up and the check reward down (each slope 2 standard errors from 0)")
     format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
     overlong_cache: int = _f(0, "DAPO's soft overlong punishment, added to the reward: a completion longer than "
                                 "max_new_tokens - overlong_cache tokens loses up to 1, linearly (0: off)")
@@ -76,7 +81,16 @@ class TrainConfig:
     steps: int = _f(40, "optimizer steps (each on a fresh batch of prompts)")
     prompts_per_step: int = _f(16, "prompts per step; each gets group_size completions")
     group_size: int = _f(8, "completions sampled per prompt (G)")
-    max_new_tokens: int = _f(64, "longest completion, in tokens")
+    max_new_tokens: int = _f(64, "longest completion, in tokens (under a budget_schedule: at the first step)")
+    budget_schedule: str = _f("constant", "how the completion budget goes from max_new_tokens to "
+                                          "max_new_tokens_final over the run: constant, linear, or step (equal "
+                                          "stages; Curriculum GRPO's shrinking budget)")
+    max_new_tokens_final: int = _f(0, "the budget at the last step under a linear or step schedule, at most "
+                                      "max_new_tokens (0: max_new_tokens)")
+    length_reward_weight: float = _f(0.0, "weight of Kimi k1.5's length reward (within a group, shorter right "
+                                          "answers earn up to +0.5, long wrong ones pay up to -0.5; 0: off)")
+    budget_stages: int = _f(2, "step schedule: equal stages of the run, the budget falling in equal steps "
+                               "from max_new_tokens in the first to max_new_tokens_final in the last")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
     rollout: str = _f("auto", "who samples the completions: 'torch', 'llama.cpp' (batched, the adapter attached as "
                               "a GGUF LoRA each step; needs the llama extra), or 'auto': llama.cpp on a CPU when "
@@ -170,6 +184,15 @@ class TrainConfig:
         checks = [
             ("group_size", self.group_size >= 2, "must be at least 2 (advantages compare completions within a group)"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
+            ("budget_schedule", self.budget_schedule in ("constant", "linear", "step"),
+             "must be constant, linear or step"),
+            ("max_new_tokens_final", 0 <= self.max_new_tokens_final <= self.max_new_tokens,
+             f"must be between 1 and max_new_tokens ({self.max_new_tokens}), or 0 (max_new_tokens)"),
+            ("max_new_tokens_final", self.max_new_tokens_final == 0 or self.overlong_cache <= self.max_new_tokens_final,
+             f"must be at least overlong_cache ({self.overlong_cache})"),
+            ("budget_stages", self.budget_stages >= 2, "must be at least 2"),
+            ("hacking_window", self.hacking_window >= 3, "must be at least 3"),
+            ("length_reward_weight", self.length_reward_weight >= 0, "must be non-negative (0: off)"),
             ("steps", self.steps >= 1, "must be at least 1"),
             ("prompts_per_step", self.prompts_per_step >= 1, "must be at least 1"),
             ("temperature", self.temperature > 0, "must be positive (rollouts are sampled)"),

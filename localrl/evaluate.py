@@ -42,7 +42,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
 
         def generate(prompts: list[list[int]]) -> Rollout:
             return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0)
-    correct, total, shown = [], [], []
+    correct, total, shown, tokens = [], [], [], 0
     for i in range(0, len(rows), batch_size):
         if progress is not None:
             progress(i, len(rows))
@@ -52,6 +52,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         scores = score(rewards, texts, {**columns_of(chunk), "completion_ids": completion_token_ids(rollout)})
         correct += [float(s == 1.0) for s in scores[0]]
         total += combine(scores, weights)
+        tokens += int(rollout.completion_mask.sum())
         for row, text, *each in zip(chunk, texts, *scores):
             if len(shown) < samples:
                 shown.append({"prompt": row["prompt"], "answer": row["answer"], "completion": text,
@@ -60,7 +61,8 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         progress(len(rows), len(rows))
     model.train(was_training)
     n = len(rows)
-    out = {"accuracy": sum(correct) / max(n, 1), "reward_mean": sum(total) / max(n, 1), "n": n}
+    out = {"accuracy": sum(correct) / max(n, 1), "reward_mean": sum(total) / max(n, 1),
+           "completion_len": tokens / max(n, 1), "n": n}
     return {**out, "samples": shown} if samples else out
 
 

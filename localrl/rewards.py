@@ -117,6 +117,35 @@ class overlong_punishment:
                 for ids in completion_ids]
 
 
+class length_penalty:
+    """Kimi k1.5's length reward (Kimi Team, 2025, section 2.3.3), for a shrinking-budget curriculum: within
+    each group (the consecutive completions of one prompt) lambda = 0.5 - (len - shortest) / (longest -
+    shortest), 0 when all are as long; a right completion (by ``correct``, the run's correctness reward)
+    gets lambda, a wrong one min(0, lambda). Among right answers the shorter earn more; a long wrong one
+    pays."""
+
+    __name__ = "length"
+
+    def __init__(self, correct: RewardFn):
+        self.correct = correct
+
+    def __call__(self, completions: list[str], completion_ids: list[list[int]], **columns) -> list[float]:
+        right = self.correct(completions, completion_ids=completion_ids, **columns)
+        prompts = columns.get("prompt", [None] * len(completions))
+        out, start = [], 0
+        while start < len(completions):
+            end = start + 1
+            while end < len(completions) and prompts[end] == prompts[start]:
+                end += 1
+            lengths = [len(ids) for ids in completion_ids[start:end]]
+            lo, hi = min(lengths), max(lengths)
+            for n, ok in zip(lengths, right[start:end]):
+                lam = 0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo)
+                out.append(lam if ok == 1.0 else min(0.0, lam))
+            start = end
+        return out
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric": numeric_match,
     "exact": exact_match,
@@ -165,15 +194,24 @@ def resolve_rewards(spec: str, weights: str = "") -> tuple[list[RewardFn], list[
 
 
 def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, max_new_tokens: int = 0,
-                    reward_weights: str = "") -> tuple[list[RewardFn], list[float]]:
+                    reward_weights: str = "", check: RewardFn | None = None,
+                    length_weight: float = 0.0) -> tuple[list[RewardFn], list[float]]:
     """The rewards named in a config (the first is the correctness reward that accuracy counts), each at its
     weight, then the weighted format reward, then (with an ``overlong_cache``) the soft overlong punishment
-    at weight 1, as in DAPO."""
+    at weight 1, as in DAPO, then (with a ``length_weight``) Kimi's length reward at that weight, then the
+    ``check`` reward at weight 0: logged, never trained on."""
     fns, weights = resolve_rewards(reward, reward_weights)
+    correct = fns[0]
     fns, weights = fns + [format_reward], weights + [format_weight]
     if overlong_cache > 0:
         fns.append(overlong_punishment(max_new_tokens, overlong_cache))
         weights.append(1.0)
+    if length_weight > 0:
+        fns.append(length_penalty(correct))
+        weights.append(length_weight)
+    if check is not None:
+        fns.append(check)
+        weights.append(0.0)
     return fns, weights
 
 

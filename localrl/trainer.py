@@ -32,6 +32,7 @@ import torch
 
 from localrl.agent_rollout import TurnFormat, trajectory_budget
 from localrl.agent_train import EnvSetup, agent_step, env_setup, evaluate_episodes
+from localrl.budget import token_budget
 from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
@@ -39,15 +40,17 @@ from localrl.evaluate import columns_of, evaluate
 from localrl.grpo import EntropyControl, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
+from localrl.monitors import HackingMonitor, length_correlation, reward_shares
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.llama_rollout import LlamaCppRollout
-from localrl.rewards import RewardFn, combine, default_rewards, resolve_rewards, reward_names, score
+from localrl.rewards import (RewardFn, combine, default_rewards, overlong_punishment, resolve_rewards, reward_names,
+                             score)
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
                              sample_groups, stop_token_ids)
 from localrl.reference import Reference
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.sft import sft_step
-from localrl.tasks import Task, load_task, system_prompt
+from localrl.tasks import Task, check_reward, load_task, system_prompt
 
 
 @dataclass
@@ -60,11 +63,14 @@ class RunResult:
 
 
 class _StopFlag:
-    """First Ctrl-C asks the loop to stop after the current step (and save); a second one aborts."""
+    """First Ctrl-C asks the loop to stop after the current step (and save); a second one aborts. A second
+    SIGINT within ``same_within`` seconds is taken for the first: under torchrun, a rank gets the terminal's
+    Ctrl-C and then the same signal passed on by torchrun."""
 
-    def __init__(self):
+    def __init__(self, same_within: float = 0.0):
         self.requested = False
         self._previous = None
+        self._same_within, self._first = same_within, 0.0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -72,9 +78,10 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if not self.requested:
+            self.requested, self._first = True, time.monotonic()
+        elif time.monotonic() - self._first > self._same_within:
             raise KeyboardInterrupt
-        self.requested = True
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -151,7 +158,7 @@ def probe_rewards(cfg: TrainConfig, rows: list[dict]) -> None:
     reward that fails, returns the wrong number of scores or a non-number stops the run before it starts."""
     completions = [f"<think>{r['answer']}</think><answer>{r['answer']}</answer>" for r in rows]
     reward_fns, _ = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens,
-                                   cfg.reward_weights)
+                                   cfg.reward_weights, check_reward(cfg.check_reward, cfg.data), cfg.length_reward_weight)
     score(reward_fns, completions, {**columns_of(rows), "completion_ids": [[0]] * len(rows)})
 
 
@@ -251,8 +258,12 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     # is converted once, into the cache the other ranks then read)
     pre = w.rank_0_first(lambda: preflight(cfg, resume))
     task, device = pre.task, pre.device
+    check = None if cfg.env else check_reward(cfg.check_reward, cfg.data)  # at weight 0: logged, never trained on
     reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache,
-                                                     cfg.max_new_tokens, cfg.reward_weights)
+                                                     cfg.max_new_tokens, cfg.reward_weights, check,
+                                                     cfg.length_reward_weight)
+    hacking = HackingMonitor(cfg.hacking_window)
+    check_name = reward_names(reward_fns)[-1] if check is not None and not rewards else None
     base = base_fingerprint(cfg.model)
     run = _open_run(cfg, base, resume, w, log)
     if cfg.threads:
@@ -285,6 +296,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                        if (r.get("kind") in ("train", "checkpoint") and r["step"] <= start)
                        or (r.get("kind") == "eval" and r.get("when") == "before")]
             sink.write_to(run.metrics_path, history)
+            for r in history:  # the monitor's window as the uninterrupted run had it
+                if r.get("kind") == "train" and check_name is not None:
+                    hacking.observe(r["reward_mean"], r["rewards"].get(check_name), r["step"])
         if cfg.init_adapter and start == 0:  # after a checkpoint, the adapter is the one the run had reached
             source = adapter_source(cfg, base)
             load_adapter_weights(model, source)
@@ -315,16 +329,21 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
 
         interrupted, done, t_run, flat_steps = False, start, time.time(), 0
         wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
-        with _StopFlag() as stop_flag:
+        with _StopFlag(same_within=2.0 if w.distributed else 0.0) as stop_flag:
             for step in range(start, cfg.steps):
+                tokens = token_budget(cfg, step)  # this step's completion budget (budget_schedule)
+                step_cfg = cfg if tokens == cfg.max_new_tokens else replace(cfg, max_new_tokens=tokens)
+                for fn in reward_fns:
+                    if isinstance(fn, overlong_punishment):
+                        fn.max_len = tokens
                 try:
                     if cfg.objective == "sft":
-                        record = sft_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.budget)
+                        record = sft_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.budget)
                     elif pre.env:
-                        record = agent_step(model, tok, optimizer, pre.env, step, cfg, stops, pre.context,
+                        record = agent_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.context,
                                             pre.budget, reference, entropy.applied(cfg))
                     else:
-                        record = train_step(model, tok, optimizer, task, step, cfg, reward_fns, weights, stops,
+                        record = train_step(model, tok, optimizer, task, step, step_cfg, reward_fns, weights, stops,
                                             pre.budget, sampler, reference, entropy.applied(cfg))
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not _is_out_of_memory(e):
@@ -338,6 +357,11 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     raise
                 if w.distributed:
                     record = pool_records(w.gather(record))
+                if cfg.budget_schedule != "constant":
+                    record["max_new_tokens"] = tokens
+                if not pre.env and cfg.objective != "sft":  # where the reward comes from
+                    record["reward_shares"] = reward_shares(record["rewards"], dict(zip(reward_names(reward_fns),
+                                                                                        weights)))
                 if cfg.use_adaptive_entropy:
                     record["entropy_coef"] = entropy.applied(cfg)
                     entropy.observe(record.get("entropy"), cfg)
@@ -349,10 +373,12 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
-                if flat_steps == FLAT_STEPS_WARNING:
-                    warning = {"kind": "warning", "step": step + 1, "message": no_signal_message(record, flat_steps)}
-                    sink.emit(warning)
-                    log(f"warning: {warning['message']}")
+                messages = [no_signal_message(record, flat_steps)] if flat_steps == FLAT_STEPS_WARNING else []
+                if check_name is not None:
+                    messages.append(hacking.observe(record["reward_mean"], record["rewards"].get(check_name), step + 1))
+                for message in filter(None, messages):
+                    sink.emit({"kind": "warning", "step": step + 1, "message": message})
+                    log(f"warning: {message}")
                 done = step + 1
                 stop = w.any(stop_flag.requested)  # every rank stops after the same step
                 if stop or done % cfg.save_every == 0 or done == cfg.steps:
@@ -365,6 +391,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     interrupted = True
                     log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run.path}")
                     break
+        for fn in reward_fns:  # the held-out evaluation decodes up to max_new_tokens
+            if isinstance(fn, overlong_punishment):
+                fn.max_len = cfg.max_new_tokens
         eval_after = None
         if not interrupted and cfg.eval_size and held_out and w.is_main:
             eval_after = {"kind": "eval", "when": "after", "step": done,
@@ -501,6 +530,8 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "kl": stats["kl"],
         "clip_frac": stats["clip_frac"],
         "completion_len": gen_tokens / rollout.completion_ids.size(0),
+        # does the reward follow length? (a reward-hacking sign; this rank's completions under torchrun)
+        "reward_length_corr": length_correlation(rewards.tolist(), rollout.completion_mask.sum(1).tolist()),
         "truncated": rollout.truncated.float().mean().item(),
         "frac_reward_zero_std": stats["frac_reward_zero_std"],
         "tokens_per_s": gen_tokens / max(elapsed, 1e-9),

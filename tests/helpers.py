@@ -129,6 +129,11 @@ def small(run_dir, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw}).validate()
 
 
+def longer_is_better(completions, completion_ids, **_) -> list[float]:
+    """A gameable reward: completion length in tokens (a policy trained on it rambles, and its answers break)."""
+    return [len(ids) / 10 for ids in completion_ids]
+
+
 def distinct_chars(completions, **_) -> list[float]:
     """A reward that differs between random completions, so advantages are non-zero."""
     return [float(len(set(c))) for c in completions]

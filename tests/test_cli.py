@@ -55,3 +55,12 @@ def test_eval_base_and_run(builtin_model, tmp_path):
 def test_models_list_shows_the_builtin(builtin_model):
     proc = localrl("models", "list")
     assert proc.returncode == 0 and proc.stdout.startswith("tiny-arith\t") and "\tbuilt" in proc.stdout
+
+
+def test_the_progress_display_prints_lines_as_written_not_as_markup():
+    from localrl.cli import ProgressBar
+
+    bar = ProgressBar(1)
+    with bar.console.capture() as captured:
+        bar({"kind": "status", "message": "rollouts: torch (pip install 'localrl[llama]' for llama.cpp)"})
+    assert "'localrl[llama]'" in captured.get()

@@ -192,3 +192,18 @@ def test_a_problem_rank_0_finds_before_training_stops_every_rank_with_one_line(b
     errors = [line for line in out.splitlines() if line.startswith("localrl: error:")]
     assert len(errors) == 1 and f"{bad}:2" in errors[0], out[-3000:]
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_saves_a_checkpoint_every_rank_agrees_on(builtin_model, tmp_path):
+    run = tmp_path / "run"
+    proc = _torchrun(2, *_train_args(run, steps=40, **{"prompts-per-step": 2, "save-every": 100}), wait=False)
+    deadline = time.monotonic() + 240
+    while len(train_records(run) if (run / "metrics.jsonl").exists() else []) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: torchrun and both ranks
+    out, _ = proc.communicate(timeout=120)
+    done = Run(run).steps_done()
+    assert 2 <= done < 40 and f"saved checkpoint at step {done}" in out, out[-3000:]
+    assert len(train_records(run)) == done

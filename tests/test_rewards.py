@@ -106,7 +106,8 @@ def test_several_rewards_with_weights_are_each_logged(tmp_path):
     train(cfg, **QUIET)
     [record] = train_records(tmp_path / "run")
     r = record["rewards"]
-    assert set(r) == {"numeric_match", "length_reward", "numeric_match_2", "format_reward"}
+    # and the built-in task's independent verifier, logged at weight 0 (check_reward = auto)
+    assert set(r) == {"numeric_match", "length_reward", "numeric_match_2", "format_reward", "addition_check"}
     assert record["reward_mean"] == pytest.approx(1.5 * r["numeric_match"] + 0.01 * r["length_reward"]
                                                   + 0.1 * r["format_reward"])
     assert r["length_reward"] > 0

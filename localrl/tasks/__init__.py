@@ -66,6 +66,19 @@ def _row(problem) -> Row:
     return {"prompt": problem.question, "answer": problem.answer}
 
 
+def check_reward(setting: str, data: str):
+    """The reward a run logs but never trains on (the config's ``check_reward``), or None: with "auto", the
+    built-in addition task's independent verifier when training on that task; a name or module:function is
+    resolved as any reward is."""
+    if setting in ("", "none"):
+        return None
+    if setting == "auto":
+        return arithmetic.addition_check if data == "arith" else None
+    from localrl.rewards import resolve_reward
+
+    return resolve_reward(setting)
+
+
 def system_prompt(setting: str, model: str) -> str | None:
     """The system message a run gives the model (the config's ``system_prompt``): with "auto", the
     answer-format instruction, unless the model is a built-in one, which learned the format in
