@@ -89,6 +89,10 @@ class TrainConfig:
                                       "max_new_tokens (0: max_new_tokens)")
     length_reward_weight: float = _f(0.0, "weight of Kimi k1.5's length reward (within a group, shorter right "
                                           "answers earn up to +0.5, long wrong ones pay up to -0.5; 0: off)")
+    markovian_chunk: int = _f(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
+                                 "sampled from the query plus the last markovian_carry tokens of the one before "
+                                 "(0: off; max_new_tokens is then the whole trace's budget)")
+    markovian_carry: int = _f(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
     budget_stages: int = _f(2, "step schedule: equal stages of the run, the budget falling in equal steps "
                                "from max_new_tokens in the first to max_new_tokens_final in the last")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
@@ -193,6 +197,16 @@ class TrainConfig:
             ("budget_stages", self.budget_stages >= 2, "must be at least 2"),
             ("hacking_window", self.hacking_window >= 3, "must be at least 3"),
             ("length_reward_weight", self.length_reward_weight >= 0, "must be non-negative (0: off)"),
+            ("markovian_chunk", self.markovian_chunk >= 0, "must be non-negative (0: off)"),
+            ("markovian_carry", self.markovian_carry >= 0 and (self.markovian_chunk == 0 or
+                                                               self.markovian_carry < self.markovian_chunk),
+             f"must be non-negative and below markovian_chunk ({self.markovian_chunk})"),
+            ("markovian_chunk", not (self.markovian_chunk and (self.env or self.objective == "sft")),
+             "Markovian thinking is for single-turn tasks (not env or sft)"),
+            ("markovian_chunk", not (self.markovian_chunk and self.dynamic_sampling),
+             "does not combine with dynamic_sampling"),
+            ("markovian_chunk", not (self.markovian_chunk and self.rollout == "llama.cpp"),
+             "samples with torch (rollout = auto or torch)"),
             ("steps", self.steps >= 1, "must be at least 1"),
             ("prompts_per_step", self.prompts_per_step >= 1, "must be at least 1"),
             ("temperature", self.temperature > 0, "must be positive (rollouts are sampled)"),

@@ -17,6 +17,7 @@ import torch
 from localrl.config import TrainConfig
 from localrl.distributed import world
 from localrl.errors import UserError
+from localrl.monitors import length_correlation
 from localrl.losses import (LossSettings, group_advantages, grpo_loss, high_entropy_mask, high_entropy_threshold,
                             importance_weights, loss_normalizer, masked_mean)
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
@@ -47,6 +48,24 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
                       entropy_coef)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
+
+
+def record_fields(rewards: torch.Tensor, scores: list[list[float]], names: list[str], stats: dict,
+                  lengths: list[int]) -> dict:
+    """What every GRPO step's metrics record says of its rewards and update: the rewards' mean and std over
+    the completions sampled, accuracy (the share the first, correctness, reward scores 1), each reward's
+    mean, the loss, KL and clip fraction, and the correlation of reward with completion length (a
+    reward-hacking sign; under torchrun, this rank's completions)."""
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
+        "rewards": {name: sum(s) / len(s) for name, s in zip(names, scores)},
+        "loss": stats["loss"],
+        "kl": stats["kl"],
+        "clip_frac": stats["clip_frac"],
+        "reward_length_corr": length_correlation(rewards.tolist(), lengths),
+    }
 
 
 @dataclass

@@ -37,12 +37,13 @@ from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.grpo import EntropyControl, update
+from localrl.grpo import EntropyControl, record_fields, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
-from localrl.monitors import HackingMonitor, length_correlation, reward_shares
+from localrl.monitors import HackingMonitor, reward_shares
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.llama_rollout import LlamaCppRollout
+from localrl.markovian import markovian_step, sample_markovian, trace_rollout
 from localrl.rewards import (RewardFn, combine, default_rewards, overlong_punishment, resolve_rewards, reward_names,
                              score)
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
@@ -200,6 +201,9 @@ def check_distributed(cfg: TrainConfig, w: World) -> None:
     if cfg.rollout == "llama.cpp":
         raise UserError(f"config field rollout: under torchrun ({w.size} ranks) each rank samples with torch "
                         f"(rollout = auto or torch)", field="rollout")
+    if cfg.markovian_chunk:
+        raise UserError(f"config field markovian_chunk: Markovian thinking runs in one process; launch it without "
+                        f"torchrun (this launch has {w.size} ranks)", field="markovian_chunk")
 
 
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
@@ -209,6 +213,8 @@ def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple
     of a distributed run."""
     if cfg.rollout == "torch":
         return "torch", "rollouts: torch (rollout = torch)"
+    if cfg.markovian_chunk:
+        return "torch", "rollouts: torch (Markovian thinking)"
     if world().distributed:
         return "torch", f"rollouts: torch on each of {world().size} ranks (torchrun)"
     import importlib.util
@@ -342,6 +348,9 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     elif pre.env:
                         record = agent_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.context,
                                             pre.budget, reference, entropy.applied(cfg))
+                    elif cfg.markovian_chunk:
+                        record = markovian_step(model, tok, optimizer, task, step, step_cfg, reward_fns, weights,
+                                                stops, pre.budget, reference, entropy.applied(cfg))
                     else:
                         record = train_step(model, tok, optimizer, task, step, step_cfg, reward_fns, weights, stops,
                                             pre.budget, sampler, reference, entropy.applied(cfg))
@@ -456,6 +465,12 @@ def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights,
         return evaluate_episodes(model, tok, pre.env, cfg, stops, pre.context, progress, cfg.eval_batch_size)
     task = pre.task
     batch_size, generate = cfg.eval_batch_size, None
+    if cfg.markovian_chunk:  # greedy traces, chunk by chunk, as the rollouts are sampled
+
+        def generate(prompts: list[list[int]]) -> Rollout:
+            chunks = sample_markovian(model, prompts, 1, cfg.markovian_chunk, cfg.markovian_carry, cfg.max_new_tokens,
+                                      stops, tok.pad_token_id, 0.0, 0)
+            return trace_rollout(chunks, prompts, 1, tok.pad_token_id)
     if sampler is not None:
         batch_size = min(batch_size, sampler.sampler.max_rows)
 
@@ -522,16 +537,9 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         "kind": "train",
         "step": step + 1,
         "completions": rollout.completion_ids.size(0),
-        "reward_mean": rewards.mean().item(),  # of every completion sampled this step
-        "reward_std": rewards.std().item(),
-        "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
-        "rewards": {name: sum(s) / len(s) for name, s in zip(reward_names(reward_fns), scores)},
-        "loss": stats["loss"],
-        "kl": stats["kl"],
-        "clip_frac": stats["clip_frac"],
+        # of every completion sampled this step
+        **record_fields(rewards, scores, reward_names(reward_fns), stats, rollout.completion_mask.sum(1).tolist()),
         "completion_len": gen_tokens / rollout.completion_ids.size(0),
-        # does the reward follow length? (a reward-hacking sign; this rank's completions under torchrun)
-        "reward_length_corr": length_correlation(rewards.tolist(), rollout.completion_mask.sum(1).tolist()),
         "truncated": rollout.truncated.float().mean().item(),
         "frac_reward_zero_std": stats["frac_reward_zero_std"],
         "tokens_per_s": gen_tokens / max(elapsed, 1e-9),
