@@ -27,11 +27,13 @@ from localrl.rollout import Rollout
 
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
-           entropy_coef: float | None = None) -> dict:
+           entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
-    ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update."""
+    ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update.
+    ``reward_rows``: for a rollout whose rows are not the rewarded completions themselves (Markovian
+    chunks), the reward each row takes its advantage from."""
     w = world()
     # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
     everyone = w.gather(rewards.tolist())
@@ -39,6 +41,8 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     offset = sum(map(len, everyone[:w.rank]))
     advantages = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards).float()
     advantages = advantages[offset:offset + rewards.numel()]
+    if reward_rows is not None:
+        advantages = advantages[reward_rows]
     flat_groups = (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())

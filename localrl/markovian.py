@@ -24,11 +24,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from localrl.config import TrainConfig
-from localrl.grpo import batch_plan, grpo_step, record_fields
-from localrl.losses import group_advantages
+from localrl.grpo import record_fields, update
 from localrl.memory import peak_memory_mb
 from localrl.rewards import combine, reward_names, score
-from localrl.rollout import Rollout, encode_prompts, left_pad, sample_groups
+from localrl.rollout import Rollout, encode_prompts, group_generators, left_pad, sample_groups
 
 
 @dataclass
@@ -54,7 +53,7 @@ def sample_markovian(model, prompts: list[list[int]], group_size: int, chunk: in
     (seeded by ``seed`` and its index), so its tokens do not depend on the others'."""
     device = next(model.parameters()).device
     n = len(prompts) * group_size
-    generators = [torch.Generator(device=device).manual_seed((seed * 1_000_033 + t) % 2**63) for t in range(n)]
+    generators = group_generators(seed, range(n), device)
     traces: list[list[int]] = [[] for _ in range(n)]
     last: list[list[int] | None] = [None] * n
     stopped = [False] * n
@@ -122,18 +121,12 @@ def markovian_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, rew
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(whole)}
     scores = score(reward_fns, decode_completions(tok, whole), columns)
     rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
-    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).float()
     rollout = chunks.rollout
-    if cfg.mask_truncated_completions:
-        rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     chunk_cfg = replace(cfg, max_new_tokens=cfg.markovian_chunk)  # (dr_grpo's constant: a chunk's length)
-    model.train()
-    micro_batch, logits_chunk = batch_plan(model, rollout, chunk_cfg, step, budget)
-    stats = grpo_step(model, optimizer, rollout, advantages[chunks.trace], chunk_cfg, micro_batch, logits_chunk,
-                      None, reference, entropy_coef)
+    stats = update(model, optimizer, rollout, rewards, chunk_cfg, step, budget, None, reference, entropy_coef,
+                   reward_rows=chunks.trace)  # each chunk with its trace's advantage
     elapsed = time.time() - t0
     lengths = [len(t) for t in chunks.traces]
-    flat = (rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     return {
         "kind": "train",
         "step": step + 1,
@@ -143,12 +136,12 @@ def markovian_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, rew
         "chunks_per_trace": rollout.completion_ids.size(0) / len(lengths),
         "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max()),
         "truncated": chunks.truncated.float().mean().item(),
-        "frac_reward_zero_std": flat,
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
         "tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),
         "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": micro_batch or rollout.completion_ids.size(0),
+        "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(next(model.parameters()).device),
         **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
     }

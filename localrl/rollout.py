@@ -71,6 +71,12 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def group_generators(seed: int, indices, device) -> list[torch.Generator]:
+    """One sampling generator per group, seeded by (``seed``, the group's index in the step's global batch),
+    so a group's samples do not depend on which other groups share its batch, process or round."""
+    return [torch.Generator(device=device).manual_seed((seed * 1_000_033 + i) % 2**63) for i in indices]
+
+
 @torch.no_grad()
 def sample_groups(
     model,

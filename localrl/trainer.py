@@ -47,7 +47,7 @@ from localrl.markovian import markovian_step, sample_markovian, trace_rollout
 from localrl.rewards import (RewardFn, combine, default_rewards, overlong_punishment, resolve_rewards, reward_names,
                              score)
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
-                             sample_groups, stop_token_ids)
+                             group_generators, sample_groups, stop_token_ids)
 from localrl.reference import Reference
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.sft import sft_step
@@ -339,9 +339,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             for step in range(start, cfg.steps):
                 tokens = token_budget(cfg, step)  # this step's completion budget (budget_schedule)
                 step_cfg = cfg if tokens == cfg.max_new_tokens else replace(cfg, max_new_tokens=tokens)
-                for fn in reward_fns:
-                    if isinstance(fn, overlong_punishment):
-                        fn.max_len = tokens
+                _overlong_budget(reward_fns, tokens)
                 try:
                     if cfg.objective == "sft":
                         record = sft_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.budget)
@@ -400,9 +398,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     interrupted = True
                     log(f"interrupted: saved checkpoint at step {done}; continue with --resume {run.path}")
                     break
-        for fn in reward_fns:  # the held-out evaluation decodes up to max_new_tokens
-            if isinstance(fn, overlong_punishment):
-                fn.max_len = cfg.max_new_tokens
+        _overlong_budget(reward_fns, cfg.max_new_tokens)  # the held-out evaluation decodes up to max_new_tokens
         eval_after = None
         if not interrupted and cfg.eval_size and held_out and w.is_main:
             eval_after = {"kind": "eval", "when": "after", "step": done,
@@ -414,6 +410,13 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         if sampler is not None:
             sampler.close()
     return RunResult(run.path, done, interrupted, eval_before, eval_after)
+
+
+def _overlong_budget(reward_fns, tokens: int) -> None:
+    """The soft overlong punishment measured against ``tokens``, this step's completion budget."""
+    for fn in reward_fns:
+        if isinstance(fn, overlong_punishment):
+            fn.max_len = tokens
 
 
 def _open_run(cfg: TrainConfig, base: dict, resume: bool, w: World, log) -> Run:
@@ -471,7 +474,7 @@ def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights,
             chunks = sample_markovian(model, prompts, 1, cfg.markovian_chunk, cfg.markovian_carry, cfg.max_new_tokens,
                                       stops, tok.pad_token_id, 0.0, 0)
             return trace_rollout(chunks, prompts, 1, tok.pad_token_id)
-    if sampler is not None:
+    elif sampler is not None:  # (Markovian runs sample with torch)
         batch_size = min(batch_size, sampler.sampler.max_rows)
 
         def generate(prompts: list[list[int]]) -> Rollout:
@@ -580,8 +583,7 @@ def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, s
                                                tok.pad_token_id, cfg.temperature, seed, cfg.lora_alpha)
     else:
         device = next(model.parameters()).device
-        generators = [torch.Generator(device=device).manual_seed((seed * 1_000_033 + share.start + b) % 2**63)
-                      for b in range(len(rows))]
+        generators = group_generators(seed, range(share.start, share.start + len(rows)), device)
         rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
                                 cfg.temperature, generators)
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
