@@ -1,10 +1,10 @@
 """The ``localrl`` command: parse, validate, call the library. Nothing here a user could not call from Python.
 
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
-    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none]
+    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--reliability F.png]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
-    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL
+    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
@@ -29,7 +29,7 @@ from localrl.errors import UserError
 
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
-               "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks", "max_turns", "env_workers",
+               "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks", "max_turns", "env_workers",
                "env_timeout", "isolation"]
 FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
 
@@ -88,7 +88,11 @@ def _eval_line(r: dict) -> str:
         return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
                 f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
                 f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
-    return f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
+    line = f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
+    if "ece" in r:
+        line += (f"; calibration: ECE {r['ece']:.3f}, Brier {r['brier']:.3f}, mean confidence "
+                 f"{r['confidence_mean']:.2f} ({r['confidence_stated']:.0%} stated one)")
+    return line
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
@@ -129,6 +133,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
     from localrl.runs import Run
 
     cfg = Run.open(args.run).read_config(overrides) if args.run else build_config(None, overrides)
+    if args.reliability:
+        _check_png_path(args.reliability, "eval --reliability")
     bar = ProgressBar(0)
 
     def progress(done: int, total: int) -> None:
@@ -138,10 +144,17 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
         result = evaluate_policy(cfg, args.run, progress=None if args.json else progress)
     finally:
         bar.close()
+    if args.reliability and "ece" in result:
+        from localrl.calibration import plot_reliability
+
+        plot_reliability({result["model"]: result}, args.reliability, title=f"reliability: {result['model']}")
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['model']}: {_eval_line(result)}")
+    if args.reliability:
+        print(f"wrote {args.reliability}" if "ece" in result else
+              f"no completion stated a confidence: {args.reliability} not written")
     if "families" in result:
         for family, r in result["families"].items():
             print(f"  {family:<6} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
@@ -164,6 +177,17 @@ def _one_line(text, width: int = 200) -> str:
     text = text if isinstance(text, str) else " | ".join(m["content"] for m in text)
     flat = " ".join(text.split())
     return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def _check_png_path(path: str, what: str) -> None:
+    """A PNG to be written after minutes of work: refuse a path that cannot be one before starting."""
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"{what} {path}: must be a .png file")
+    if out.is_dir():
+        raise UserError(f"{what} {path}: is a directory")
+    if not out.parent.is_dir():
+        raise UserError(f"{what} {path}: no such directory {out.parent}")
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -340,7 +364,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.n_ctx < 0 or args.max_tokens < 1:
         raise UserError("chat: --n-ctx must be 0 (the model's training context) or more, --max-tokens at least 1")
 
-    terminal_chat(args.source, args.n_ctx, args.max_tokens, args.system, args.temperature)
+    system = args.system
+    if args.experience:  # a training-free GRPO run's lessons, after the system message
+        from localrl.experience import load_library
+
+        system = load_library(args.experience).system(system)
+    source = args.source or args.experience
+    if source is None:
+        raise UserError("chat: name a model (FILE.gguf, run directory, model) or --experience RUN_DIR")
+    terminal_chat(source, args.n_ctx, args.max_tokens, system, args.temperature)
     return 0
 
 
@@ -444,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "[--FIELD VALUE ...]", epilog="config fields: " + ", ".join(EVAL_FIELDS))
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--reliability", metavar="PNG", help="draw the reliability diagram of the stated confidences "
+                   "(<confidence> tags) into this PNG")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="write a run (adapter merged onto its base) or a model to GGUF, then validate it")
@@ -464,9 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="streaming terminal chat with a GGUF, a run or a model")
-    p.add_argument("source", help="model file (.gguf), run directory, model directory or built-in name")
+    p.add_argument("source", nargs="?", help="model file (.gguf), run directory, model directory or built-in name "
+                   "(default with --experience: that run)")
     p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (0: greedy)")
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--experience", metavar="RUN_DIR", help="a training-free GRPO run (objective experience): its "
+                   "lessons follow the system message")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
     p.set_defaults(func=cmd_chat)

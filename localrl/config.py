@@ -30,7 +30,7 @@ ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandb
 # model and sizes that train it on a 2-core CPU
 ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,
                          "max_new_tokens": 48, "beta": 0.0, "eval_size": 100, "save_every": 10}}
-OBJECTIVES = ("grpo", "sft")
+OBJECTIVES = ("grpo", "sft", "experience")
 # What ``--objective sft`` (``localrl sft``) changes from the defaults, unless the file or the flags set it: a
 # supervised step learns from every demonstration, so it takes a smaller rate than GRPO's sparse signal
 OBJECTIVE_PRESETS = {"sft": {"env": "shell", "lr": 5e-4}}
@@ -72,7 +72,9 @@ class TrainConfig:
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
     lora_targets: str = _f("all-linear", "comma-separated module names to adapt, or 'all-linear'")
     unsloth: bool = _f(False, "load through Unsloth's CUDA fast path (needs the 'unsloth' extra and a GPU)")
-    objective: str = _f("grpo", "what a step optimises: 'grpo', or 'sft' (supervised warm start on the environment's "
+    objective: str = _f("grpo", "what a step optimises: 'grpo', 'experience' (training-free GRPO: no weight changes, "
+                                "lessons distilled from each group into the run's experience library), or 'sft' "
+                                "(supervised warm start on the environment's "
                                 "expert episodes, as `localrl sft` runs it; needs env)")
     init_adapter: str = _f("", "start from this adapter instead of a fresh one: a run directory (its newest "
                                "checkpoint, e.g. a `localrl sft` run) or a PEFT adapter directory, trained on the "
@@ -89,6 +91,15 @@ class TrainConfig:
                                       "max_new_tokens (0: max_new_tokens)")
     length_reward_weight: float = _f(0.0, "weight of Kimi k1.5's length reward (within a group, shorter right "
                                           "answers earn up to +0.5, long wrong ones pay up to -0.5; 0: off)")
+    experience_judge: str = _f("", "objective experience: the model that compares each group's right and wrong "
+                                   "completions and edits the lessons (a model source as for model; empty: the "
+                                   "policy model itself)")
+    experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
+                                  "one drops the oldest)")
+    experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
+    calibration_weight: float = _f(0.0, "RLCR: weight of the Brier-score reward on the confidence stated after the "
+                                        "answer in <confidence> tags (reward = correct - weight * (confidence - "
+                                        "correct)^2; 1 is RLCR; 0: off). Real models are asked for the tag")
     markovian_chunk: int = _f(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
                                  "sampled from the query plus the last markovian_carry tokens of the one before "
                                  "(0: off; max_new_tokens is then the whole trace's budget)")
@@ -197,6 +208,8 @@ class TrainConfig:
             ("budget_stages", self.budget_stages >= 2, "must be at least 2"),
             ("hacking_window", self.hacking_window >= 3, "must be at least 3"),
             ("length_reward_weight", self.length_reward_weight >= 0, "must be non-negative (0: off)"),
+            ("calibration_weight", self.calibration_weight >= 0, "must be non-negative (0: off)"),
+            ("calibration_weight", not (self.calibration_weight and self.env), "is for single-turn tasks (not env)"),
             ("markovian_chunk", self.markovian_chunk >= 0, "must be non-negative (0: off)"),
             ("markovian_carry", self.markovian_carry >= 0 and (self.markovian_chunk == 0 or
                                                                self.markovian_carry < self.markovian_chunk),
@@ -255,6 +268,10 @@ class TrainConfig:
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
+            ("objective", self.objective != "experience" or not (self.env or self.markovian_chunk),
+             "experience is for single-turn tasks without markovian_chunk"),
+            ("experience_size", self.experience_size >= 1, "must be at least 1"),
+            ("experience_judge_tokens", self.experience_judge_tokens >= 1, "must be at least 1"),
             ("objective", self.objective != "sft" or bool(self.env),
              "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
             ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),

@@ -3,7 +3,10 @@
 which ``localrl eval`` calls).
 
 Accuracy counts completions whose correctness reward (the first reward function) is 1;
-the mean reward adds the weighted format reward, exactly as in training.
+the mean reward adds the weighted format reward, exactly as in training. Where completions state a
+confidence (``<confidence>`` tags, calibration.py), the result also has their expected calibration
+error (``ece``, 10 bins), Brier score, mean confidence, the share that stated one and the
+reliability bins.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from localrl.calibration import calibration_summary
 from localrl.errors import UserError
 from localrl.rewards import RewardFn, combine, reward_names, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
@@ -42,7 +46,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
 
         def generate(prompts: list[list[int]]) -> Rollout:
             return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0)
-    correct, total, shown, tokens = [], [], [], 0
+    correct, total, shown, tokens, all_texts = [], [], [], 0, []
     for i in range(0, len(rows), batch_size):
         if progress is not None:
             progress(i, len(rows))
@@ -51,6 +55,7 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
         texts = decode_completions(tok, rollout)
         scores = score(rewards, texts, {**columns_of(chunk), "completion_ids": completion_token_ids(rollout)})
         correct += [float(s == 1.0) for s in scores[0]]
+        all_texts += texts
         total += combine(scores, weights)
         tokens += int(rollout.completion_mask.sum())
         for row, text, *each in zip(chunk, texts, *scores):
@@ -63,20 +68,32 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
     n = len(rows)
     out = {"accuracy": sum(correct) / max(n, 1), "reward_mean": sum(total) / max(n, 1),
            "completion_len": tokens / max(n, 1), "n": n}
+    calibration = calibration_summary(all_texts, correct)
+    if calibration is not None:
+        out.update({k if k != "stated" else "confidence_stated": v for k, v in calibration.items()})
     return {**out, "samples": shown} if samples else out
+
+
+def experience_of(run: str | Path | None):
+    """The experience library of a training-free GRPO run directory, or None."""
+    from localrl.experience import FILE, load_library
+
+    return load_library(run) if run is not None and (Path(run) / FILE).is_file() else None
 
 
 def evaluate_policy(cfg, run: str | Path | None = None,
                     progress: Callable[[int, int], None] | None = None, samples: int = 3) -> dict:
     """Held-out greedy accuracy of a run's newest adapter (``run``) or of ``cfg.model`` on ``cfg``'s
     task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}; with
-    ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too."""
+    ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too. A
+    training-free GRPO run is evaluated with its experience library's lessons in the system message."""
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
-    from localrl.rewards import default_rewards
+    from localrl.rewards import config_rewards
     from localrl.runs import Run
     from localrl.tasks import load_task, system_prompt
 
     cfg.validate()
+    library = None
     if cfg.env:
         from localrl.agent_train import env_setup, evaluate_episodes
 
@@ -84,17 +101,22 @@ def evaluate_policy(cfg, run: str | Path | None = None,
         if not setup.held_out:
             raise UserError(f"env_tasks {cfg.env_tasks}: no held-out tasks to evaluate on", field="env_tasks")
     else:
-        rewards, weights = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens,
-                                           cfg.reward_weights)
-        task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model))
+        rewards, weights = config_rewards(cfg)
+        task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model,
+                                                                                cfg.calibration_weight > 0))
         if not task.held_out:
             raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
                             f"pass --eval-size N)", field="eval_size")
+        library = experience_of(run)
+        if library is not None:  # a training-free GRPO run: the lessons it learned, as it gave them
+            task.system = library.system(task.system)
     device = pick_device(cfg.device)
     in_4bit = default_4bit(cfg.quantize, device)
     if run is not None:
         model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)
         what = f"{run} ({ckpt.name})"
+        if library is not None:
+            what += f" with its {len(library.lessons)} lessons"
     else:
         path, _ = load_config(cfg.model)
         model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model

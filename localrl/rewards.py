@@ -29,7 +29,9 @@ RewardFn = Callable[..., list[float]]
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# the format, with the optional confidence a calibration run states after its answer
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*(?:<confidence>[^<]*</confidence>\s*)?$",
+                     re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _LEAD = re.compile(r"^(?:\**\s*(?:final\s+)?answer\s*\**\s*[:=]\s*)", re.IGNORECASE)
 
@@ -96,7 +98,8 @@ def regex_match(completions: list[str], answer: list, **_) -> list[float]:
 
 
 def format_reward(completions: list[str], **_) -> list[float]:
-    """1.0 where the completion is exactly ``<think>...</think><answer>...</answer>``."""
+    """1.0 where the completion is exactly ``<think>...</think><answer>...</answer>``, optionally followed by
+    one ``<confidence>...</confidence>``."""
     return [float(_FORMAT.match(t) is not None) for t in completions]
 
 
@@ -194,12 +197,13 @@ def resolve_rewards(spec: str, weights: str = "") -> tuple[list[RewardFn], list[
 
 
 def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, max_new_tokens: int = 0,
-                    reward_weights: str = "", check: RewardFn | None = None,
-                    length_weight: float = 0.0) -> tuple[list[RewardFn], list[float]]:
+                    reward_weights: str = "", check: RewardFn | None = None, length_weight: float = 0.0,
+                    calibration_weight: float = 0.0) -> tuple[list[RewardFn], list[float]]:
     """The rewards named in a config (the first is the correctness reward that accuracy counts), each at its
     weight, then the weighted format reward, then (with an ``overlong_cache``) the soft overlong punishment
-    at weight 1, as in DAPO, then (with a ``length_weight``) Kimi's length reward at that weight, then the
-    ``check`` reward at weight 0: logged, never trained on."""
+    at weight 1, as in DAPO, then (with a ``length_weight``) Kimi's length reward at that weight, then (with a
+    ``calibration_weight``) RLCR's Brier term at that weight, then the ``check`` reward at weight 0: logged,
+    never trained on."""
     fns, weights = resolve_rewards(reward, reward_weights)
     correct = fns[0]
     fns, weights = fns + [format_reward], weights + [format_weight]
@@ -209,10 +213,21 @@ def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, 
     if length_weight > 0:
         fns.append(length_penalty(correct))
         weights.append(length_weight)
+    if calibration_weight > 0:
+        from localrl.calibration import brier_penalty
+
+        fns.append(brier_penalty(correct))
+        weights.append(calibration_weight)
     if check is not None:
         fns.append(check)
         weights.append(0.0)
     return fns, weights
+
+
+def config_rewards(cfg, check: RewardFn | None = None) -> tuple[list[RewardFn], list[float]]:
+    """``default_rewards`` of a run config (a ``TrainConfig``), with ``check`` at weight 0."""
+    return default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens, cfg.reward_weights,
+                           check, cfg.length_reward_weight, cfg.calibration_weight)
 
 
 def reward_name(fn: RewardFn, index: int) -> str:

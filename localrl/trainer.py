@@ -37,14 +37,17 @@ from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
+from localrl.experience import (ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs, judge_request,
+                                parse_edits, question_text, reply_start)
 from localrl.grpo import EntropyControl, record_fields, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.monitors import HackingMonitor, reward_shares
-from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
+from localrl.modeling import (check_weights, default_4bit, load_base, load_config, load_policy, load_tokenizer,
+                              pick_device)
 from localrl.llama_rollout import LlamaCppRollout
 from localrl.markovian import markovian_step, sample_markovian, trace_rollout
-from localrl.rewards import (RewardFn, combine, default_rewards, overlong_punishment, resolve_rewards, reward_names,
+from localrl.rewards import (RewardFn, combine, config_rewards, overlong_punishment, resolve_rewards, reward_names,
                              score)
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
                              group_generators, sample_groups, stop_token_ids)
@@ -104,6 +107,7 @@ class Preflight:
     model_path: str  # the model's resolved directory
     env: EnvSetup | None = None  # the environment's tasks and sandbox, when training an agent
     context: int = 2048  # the model's context, in tokens
+    judge_path: str = ""  # objective experience: the judge's resolved directory ("" : the policy model judges)
 
 
 def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
@@ -125,7 +129,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
                         f"model's context of {context} tokens", field="max_new_tokens")
     if cfg.env:
         return _env_preflight(cfg, path, config, tok, context or 2048)
-    system = system_prompt(cfg.system_prompt, cfg.model)
+    system = system_prompt(cfg.system_prompt, cfg.model, cfg.calibration_weight > 0)
     longest = 0
     widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
 
@@ -151,15 +155,41 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit) if cfg.memory_budget else None
     check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
-    return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path)
+    judge_path = _judge_preflight(cfg, tok, context) if cfg.objective == "experience" else ""
+    return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path, judge_path=judge_path)
+
+
+def _judge_preflight(cfg: TrainConfig, tok, context: int | None) -> str:
+    """Training-free GRPO's judge: its weights and tokenizer, and a context that holds a request; its resolved
+    directory ("" when the policy model judges)."""
+    if not cfg.experience_judge:
+        check_judge_fits(tok, context, cfg.max_new_tokens, cfg.experience_judge_tokens,
+                         f"the policy model {cfg.model} (the judge while experience_judge is empty)")
+        return ""
+    try:
+        path, config = load_config(cfg.experience_judge)
+    except UserError as e:
+        raise UserError(f"config field experience_judge: {e}", field="experience_judge") from None
+    check_weights(path)
+    check_judge_fits(load_tokenizer(path), getattr(config, "max_position_embeddings", None), cfg.max_new_tokens,
+                     cfg.experience_judge_tokens, f"the judge {cfg.experience_judge}")
+    return path
+
+
+def _load_judge(cfg: TrainConfig, pre: Preflight, model, tok) -> Judge:
+    """The policy model as its own judge, or the ``experience_judge`` model (frozen, no adapter)."""
+    if not pre.judge_path:
+        return Judge(model, tok, cfg.experience_judge_tokens, getattr(model.config, "max_position_embeddings", None))
+    judge = load_base(pre.judge_path, default_4bit(cfg.quantize, pre.device), pre.device)
+    return Judge(judge, load_tokenizer(pre.judge_path), cfg.experience_judge_tokens,
+                 getattr(judge.config, "max_position_embeddings", None))
 
 
 def probe_rewards(cfg: TrainConfig, rows: list[dict]) -> None:
     """Call the configured rewards once on made-up completions of ``rows`` (their own answers), so that a
     reward that fails, returns the wrong number of scores or a non-number stops the run before it starts."""
     completions = [f"<think>{r['answer']}</think><answer>{r['answer']}</answer>" for r in rows]
-    reward_fns, _ = default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens,
-                                   cfg.reward_weights, check_reward(cfg.check_reward, cfg.data), cfg.length_reward_weight)
+    reward_fns, _ = config_rewards(cfg, check_reward(cfg.check_reward, cfg.data))
     score(reward_fns, completions, {**columns_of(rows), "completion_ids": [[0]] * len(rows)})
 
 
@@ -204,6 +234,9 @@ def check_distributed(cfg: TrainConfig, w: World) -> None:
     if cfg.markovian_chunk:
         raise UserError(f"config field markovian_chunk: Markovian thinking runs in one process; launch it without "
                         f"torchrun (this launch has {w.size} ranks)", field="markovian_chunk")
+    if cfg.objective == "experience":
+        raise UserError(f"config field objective: experience keeps one library in one process; launch it without "
+                        f"torchrun (this launch has {w.size} ranks)", field="objective")
 
 
 def choose_rollout(cfg: TrainConfig, device: torch.device, config, tok) -> tuple[str, str]:
@@ -265,9 +298,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     pre = w.rank_0_first(lambda: preflight(cfg, resume))
     task, device = pre.task, pre.device
     check = None if cfg.env else check_reward(cfg.check_reward, cfg.data)  # at weight 0: logged, never trained on
-    reward_fns, weights = rewards or default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache,
-                                                     cfg.max_new_tokens, cfg.reward_weights, check,
-                                                     cfg.length_reward_weight)
+    reward_fns, weights = rewards or config_rewards(cfg, check)
     hacking = HackingMonitor(cfg.hacking_window)
     check_name = reward_names(reward_fns)[-1] if check is not None and not rewards else None
     base = base_fingerprint(cfg.model)
@@ -282,6 +313,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
         torch.manual_seed(cfg.seed)
         model, tok = load_policy(cfg, device, pre.in_4bit)
+        library = ExperienceLibrary(cfg.experience_size) if cfg.objective == "experience" else None
+        judge = _load_judge(cfg, pre, model, tok) if library is not None else None
         if pre.rollout == "llama.cpp":
             sampler = LlamaCppRollout(pre.model_path, tok, cfg.prompts_per_step * cfg.group_size,
                                       pre.longest_prompt + cfg.max_new_tokens, log=lambda *_: None)
@@ -293,6 +326,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         start, history, run_state = 0, [], {}
         if resume:
             start = run.restore(model, optimizer, log, run_state)
+            if library is not None and "experience" in run_state:  # the library the checkpoint's step had
+                library = replace(ExperienceLibrary.from_state(run_state["experience"]), capacity=cfg.experience_size)
         reference = Reference(run_state.get("reference"))
         entropy = EntropyControl(run_state.get("entropy_coef", cfg.entropy_coef),
                                  run_state.get("last_entropy", float("inf")))
@@ -341,7 +376,10 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 step_cfg = cfg if tokens == cfg.max_new_tokens else replace(cfg, max_new_tokens=tokens)
                 _overlong_budget(reward_fns, tokens)
                 try:
-                    if cfg.objective == "sft":
+                    if library is not None:
+                        record = experience_step(model, tok, task, library, judge, step, step_cfg, reward_fns,
+                                                 weights, stops, sampler)
+                    elif cfg.objective == "sft":
                         record = sft_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.budget)
                     elif pre.env:
                         record = agent_step(model, tok, optimizer, pre.env, step, step_cfg, stops, pre.context,
@@ -379,6 +417,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                     record["ref_synced"] = True
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
+                if library is not None and w.is_main:
+                    library.save(run.path)
                 flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
                 messages = [no_signal_message(record, flat_steps)] if flat_steps == FLAT_STEPS_WARNING else []
                 if check_name is not None:
@@ -391,7 +431,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 if stop or done % cfg.save_every == 0 or done == cfg.steps:
                     if w.is_main:
                         run.save_checkpoint(done, model, optimizer, cfg.keep_checkpoints,
-                                            {"reference": reference.state, **entropy.state()})
+                                            {"reference": reference.state, **entropy.state(),
+                                             **({"experience": library.state()} if library is not None else {})})
                         sink.emit({"kind": "checkpoint", "step": done})
                     w.barrier()
                 if stop:
@@ -402,7 +443,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         eval_after = None
         if not interrupted and cfg.eval_size and held_out and w.is_main:
             eval_after = {"kind": "eval", "when": "after", "step": done,
-                          **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "after", sampler, stops)}
+                          **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "after", sampler, stops,
+                                      library)}
             sink.emit(eval_after)
         w.barrier()
     finally:
@@ -458,9 +500,10 @@ def no_signal_message(record: dict, steps: int) -> str:
 
 
 def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str,
-              sampler: LlamaCppRollout | None, stops: list[int]) -> dict:
+              sampler: LlamaCppRollout | None, stops: list[int], library: ExperienceLibrary | None = None) -> dict:
     """Held-out evaluation with a status record per batch, so watchers see its progress; decoded by the
-    rollout backend (llama.cpp's greedy decoding of the same weights, when it samples the rollouts)."""
+    rollout backend (llama.cpp's greedy decoding of the same weights, when it samples the rollouts); with
+    an experience ``library``, its lessons in the system message."""
     def progress(done: int, total: int) -> None:
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
@@ -481,8 +524,9 @@ def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights,
             return sampler.sample(model, prompts, 1, cfg.max_new_tokens, stops, tok.pad_token_id, 0.0, 0,
                                   cfg.lora_alpha)[0]
 
+    system = library.system(task.system) if library is not None else task.system
     return evaluate(model, tok, task.held_out, reward_fns, weights, cfg.max_new_tokens, batch_size,
-                    progress=progress, system=task.system, generate=generate)
+                    progress=progress, system=system, generate=generate)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
@@ -558,6 +602,52 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
     }
 
 
+def experience_step(model, tok, task: Task, library: ExperienceLibrary, judge: Judge, step: int, cfg: TrainConfig,
+                    reward_fns: list[RewardFn], weights: list[float], stops: list[int], sampler=None) -> dict:
+    """One step of training-free GRPO (experience.py): sample and score the groups of ``step``'s rows with the
+    library's lessons in the system message, then let the judge edit the library after each group whose
+    completions part into right and wrong. No weight changes."""
+    t0 = time.time()
+    model.eval()
+    rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
+    rnd = _sample_round(model, tok, replace(task, system=library.system(task.system)), rows, cfg, reward_fns, stops,
+                        sampler, cfg.seed * 1_000_003 + step, slice(0, len(rows)))
+    t_gen = time.time() - t0
+    pairs = contrasting_pairs(rows, rnd.texts, rnd.scores[0], cfg.group_size)
+    requests = [judge_request(question_text(row["prompt"]), str(row["answer"]), right, wrong, library)
+                for row, right, wrong in pairs]
+    replies = judge(requests, [reply_start(library)] * len(requests)) if requests else []
+    changed = invalid = 0
+    for reply in filter(None, replies):
+        c, i = library.apply(parse_edits(reply))
+        changed, invalid = changed + c, invalid + i
+    rewards = torch.tensor(combine(rnd.scores, weights), dtype=torch.float64)
+    informative = rnd.informative(weights)
+    lengths = rnd.rollout.completion_mask.sum(1).tolist()
+    elapsed = time.time() - t0
+    return {
+        "kind": "train",
+        "step": step + 1,
+        "completions": len(rnd.texts),
+        **record_fields(rewards, rnd.scores, reward_names(reward_fns), {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0},
+                        lengths),
+        "completion_len": sum(lengths) / len(lengths),
+        "truncated": rnd.rollout.truncated.float().mean().item(),
+        "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
+        "lessons": len(library.lessons),
+        "judged_groups": len(requests),
+        "judge_too_long": sum(r is None for r in replies),
+        "edits": changed,
+        "invalid_edits": invalid,
+        "tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
+        "gen_s": round(t_gen, 3),
+        "step_s": round(elapsed, 3),
+        "lr": 0.0,
+        "micro_batch": 0,
+        "peak_mem_mb": peak_memory_mb(next(model.parameters()).device),
+    }
+
+
 @dataclass
 class _Round:
     """One round of a step's sampling: its rollout, the sampler's log-probabilities and the scores."""
@@ -565,6 +655,7 @@ class _Round:
     rollout: Rollout
     sampler_logp: torch.Tensor | None
     scores: list[list[float]]  # per reward function, per completion
+    texts: list[str]  # the decoded completions
 
     def informative(self, weights: list[float]) -> list[bool]:
         """Per prompt: whether its group's combined rewards differ (a learning signal)."""
@@ -587,7 +678,8 @@ def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, s
         rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
                                 cfg.temperature, generators)
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
-    return _Round(rollout, sampler_logp, score(reward_fns, decode_completions(tok, rollout), columns))
+    texts = decode_completions(tok, rollout)
+    return _Round(rollout, sampler_logp, score(reward_fns, texts, columns), texts)
 
 
 def _cat_right(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,10 @@ Deliberate choices:
   a systematic slip it makes more often than not: greedy decoding is right only on
   problems without carries (about 40% of held-out problems), while sampling still finds
   right answers often enough for GRPO to learn from.
+- ``tiny-arith-conf`` (``confidence=True``) is the same model taught one more habit for calibration
+  rewards (RLCR): every trace ends with ``<confidence>0.7</confidence>``, a confidence drawn uniformly
+  from 0.0, 0.1, ..., 1.0 whatever the trace, so the confidence it states says nothing about whether it is
+  right until reinforcement learning teaches it to. The tags are two more added tokens.
 - Loss on the assistant turn only; the prompt is context.
 - Deterministic for a seed on one machine: one seeded generator for data and init,
   a fixed thread count, no dropout.
@@ -35,6 +39,7 @@ from localrl.tasks.arithmetic import sample_problems, worked_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+CONFIDENCE_TOKENS = ["<confidence>", "</confidence>"]  # added after the others, for a confidence recipe
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -60,6 +65,7 @@ class Recipe:
     seed: int = 0
     threads: int = 2
     max_positions: int = 256
+    confidence: bool = False  # end each trace with an uninformative <confidence> tag (tiny-arith-conf)
 
 
 # Whole-word merges for the words of every prompt; digits are never merged, so each digit
@@ -78,8 +84,9 @@ def _merges(words: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def build_tokenizer():
-    """A byte-level BPE tokenizer (256 byte tokens, a few word merges) with ChatML and reasoning tags."""
+def build_tokenizer(confidence: bool = False):
+    """A byte-level BPE tokenizer (256 byte tokens, a few word merges) with ChatML and reasoning tags (and,
+    with ``confidence``, the confidence tags)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,7 +102,8 @@ def build_tokenizer():
     # Ids 256.. in a fixed order: special turn markers, then the reasoning tags, which are
     # ordinary added tokens (kept when decoding, like Qwen3's <think>).
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    added = ADDED_TOKENS + (CONFIDENCE_TOKENS if confidence else [])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
@@ -121,9 +129,14 @@ def encode_example(tok, question: str, completion: str) -> tuple[list[int], list
 
 
 def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = [encode_example(tok, p.question, worked_answer(p, rng, recipe.drop_carry))
+    rows = [encode_example(tok, p.question, worked_answer(p, rng, recipe.drop_carry) + _stated_confidence(rng, recipe))
             for p in sample_problems(rng, recipe.batch_size)]
     return pad_batch(rows, tok.pad_token_id)
+
+
+def _stated_confidence(rng: random.Random, recipe: Recipe) -> str:
+    """The confidence a ``confidence`` recipe's trace ends with: 0.0 to 1.0 in tenths, uniformly at random."""
+    return f"<confidence>{rng.randint(0, 10) / 10:.1f}</confidence>" if recipe.confidence else ""
 
 
 def pad_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,7 +150,7 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.
 
 def arith_data(recipe: Recipe, rng: random.Random, log=print):
     """(tokenizer, batch function) of the tiny-arith recipe."""
-    tok = build_tokenizer()
+    tok = build_tokenizer(recipe.confidence)
 
     def batch():
         return _batch(tok, rng, recipe)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from localrl.calibration import CONFIDENCE_PROMPT
 from localrl.config import BUILTIN_TASKS
 from localrl.errors import UserError
 from localrl.models import builtin_path
@@ -79,14 +80,17 @@ def check_reward(setting: str, data: str):
     return resolve_reward(setting)
 
 
-def system_prompt(setting: str, model: str) -> str | None:
+def system_prompt(setting: str, model: str, confidence: bool = False) -> str | None:
     """The system message a run gives the model (the config's ``system_prompt``): with "auto", the
-    answer-format instruction, unless the model is a built-in one, which learned the format in
+    answer-format instruction (with ``confidence``, a calibration run's, also the request to state a
+    confidence after the answer), unless the model is a built-in one, which learned the format in
     pretraining and has never seen a system message."""
     if setting == "none":
         return None
     if setting == "auto":
-        return None if builtin_path(model) is not None else FORMAT_PROMPT
+        if builtin_path(model) is not None:
+            return None
+        return FORMAT_PROMPT + " " + CONFIDENCE_PROMPT if confidence else FORMAT_PROMPT
     return setting
 
 
