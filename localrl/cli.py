@@ -1,7 +1,7 @@
 """The ``localrl`` command: parse, validate, call the library. Nothing here a user could not call from Python.
 
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
-    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--reliability F.png]
+    localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--experience RUN] [--reliability F.png]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
@@ -141,7 +141,7 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
         bar({"kind": "status", "when": "held-out", "done": done, "total": total})
 
     try:
-        result = evaluate_policy(cfg, args.run, progress=None if args.json else progress)
+        result = evaluate_policy(cfg, args.run, progress=None if args.json else progress, experience=args.experience)
     finally:
         bar.close()
     if args.reliability and "ece" in result:
@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "[--FIELD VALUE ...]", epilog="config fields: " + ", ".join(EVAL_FIELDS))
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--experience", metavar="RUN_DIR|FILE", help="give the model this experience library's lessons "
+                   "(a training-free GRPO run, or its experience.json); a run of objective experience uses its own")
     p.add_argument("--reliability", metavar="PNG", help="draw the reliability diagram of the stated confidences "
                    "(<confidence> tags) into this PNG")
     p.set_defaults(func=cmd_eval)

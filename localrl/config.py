@@ -96,6 +96,8 @@ class TrainConfig:
                                    "policy model itself)")
     experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
                                   "one drops the oldest)")
+    experience_init: str = _f("", "objective experience: start from this library (a run directory's experience.json "
+                                  "or such a file: lessons by a larger judge, or written by hand); empty: none")
     experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
     calibration_weight: float = _f(0.0, "RLCR: weight of the Brier-score reward on the confidence stated after the "
                                         "answer in <confidence> tags (reward = correct - weight * (confidence - "
@@ -271,6 +273,9 @@ class TrainConfig:
             ("objective", self.objective != "experience" or not (self.env or self.markovian_chunk),
              "experience is for single-turn tasks without markovian_chunk"),
             ("experience_size", self.experience_size >= 1, "must be at least 1"),
+            ("experience_init", not self.experience_init or self.objective == "experience", "needs objective experience"),
+            ("experience_judge", not self.experience_judge or self.objective == "experience",
+             "needs objective experience"),
             ("experience_judge_tokens", self.experience_judge_tokens >= 1, "must be at least 1"),
             ("objective", self.objective != "sft" or bool(self.env),
              "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),

@@ -74,19 +74,24 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
     return {**out, "samples": shown} if samples else out
 
 
-def experience_of(run: str | Path | None):
-    """The experience library of a training-free GRPO run directory, or None."""
+def experience_of(run: str | Path | None, experience: str | Path | None = None):
+    """The experience library to evaluate with: ``experience`` (a run directory or experience.json), else
+    that of ``run`` when it is a training-free GRPO run, else None."""
     from localrl.experience import FILE, load_library
 
+    if experience:
+        return load_library(experience)
     return load_library(run) if run is not None and (Path(run) / FILE).is_file() else None
 
 
 def evaluate_policy(cfg, run: str | Path | None = None,
-                    progress: Callable[[int, int], None] | None = None, samples: int = 3) -> dict:
+                    progress: Callable[[int, int], None] | None = None, samples: int = 3,
+                    experience: str | Path | None = None) -> dict:
     """Held-out greedy accuracy of a run's newest adapter (``run``) or of ``cfg.model`` on ``cfg``'s
     task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}; with
     ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too. A
-    training-free GRPO run is evaluated with its experience library's lessons in the system message."""
+    training-free GRPO run is evaluated with its experience library's lessons in the system message, and any
+    model with ``experience``'s (a run directory or experience.json)."""
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.rewards import config_rewards
     from localrl.runs import Run
@@ -94,6 +99,8 @@ def evaluate_policy(cfg, run: str | Path | None = None,
 
     cfg.validate()
     library = None
+    if cfg.env and experience:
+        raise UserError("eval --experience: an experience library is for single-turn tasks (not env)")
     if cfg.env:
         from localrl.agent_train import env_setup, evaluate_episodes
 
@@ -107,7 +114,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
         if not task.held_out:
             raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
                             f"pass --eval-size N)", field="eval_size")
-        library = experience_of(run)
+        library = experience_of(run, experience)
         if library is not None:  # a training-free GRPO run: the lessons it learned, as it gave them
             task.system = library.system(task.system)
     device = pick_device(cfg.device)
@@ -115,11 +122,11 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     if run is not None:
         model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)
         what = f"{run} ({ckpt.name})"
-        if library is not None:
-            what += f" with its {len(library.lessons)} lessons"
     else:
         path, _ = load_config(cfg.model)
         model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model
+    if library is not None:
+        what += f" with the {len(library.lessons)} lessons of {experience or 'its experience library'}"
     if cfg.env:
         context = getattr(model.config, "max_position_embeddings", None) or 2048
         result = evaluate_episodes(model, tok, setup, cfg, stop_token_ids(tok, model), context, progress,

@@ -15,8 +15,8 @@ one right and one wrong completion and the library, and answers with edits, one 
 
 While the library is empty the judge's reply is begun for it with ``ADD:`` (adding is then the only
 edit there can be, and a small judge otherwise tends to echo the request). Edits apply in order; one
-that names no lesson of the library, or has no text where it needs
-one, is counted as invalid and skipped. The library holds at most ``capacity`` lessons (an ADD to
+that names no lesson of the library, or whose text is not a lesson (fewer than three words of
+letters: a bare number or sum, which small judges write), is counted as invalid and skipped. The library holds at most ``capacity`` lessons (an ADD to
 a full library drops the oldest) of at most ``MAX_LESSON_CHARS`` characters each. No weight is
 updated: the adapter stays as it was initialised. The library is written to the run directory
 (``experience.json``, atomically, after every step and with every checkpoint, so a resumed run
@@ -36,6 +36,7 @@ from localrl.errors import UserError
 
 FILE = "experience.json"
 MAX_LESSON_CHARS = 240
+MIN_LESSON_WORDS = 3
 HEADER = "Lessons from earlier attempts at such problems:"
 
 JUDGE_SYSTEM = ("You maintain a short list of general lessons that help solve problems of one kind. You are "
@@ -79,6 +80,12 @@ def _clip(text: str) -> str:
     return cut or text[:MAX_LESSON_CHARS]
 
 
+def is_lesson(text: str) -> bool:
+    """Whether ``text`` reads as a lesson: at least ``MIN_LESSON_WORDS`` words of letters (a bare number or a
+    sum such as "7+4=11", which small judges write, is not one)."""
+    return sum(any(c.isalpha() for c in word) for word in text.split()) >= MIN_LESSON_WORDS
+
+
 @dataclass
 class ExperienceLibrary:
     """The lessons, by stable number (a number is never reused, so an edit names the lesson it saw)."""
@@ -100,9 +107,9 @@ class ExperienceLibrary:
         for e in edits:
             if e.op == "keep":
                 continue
-            if e.op == "add" and e.text and e.text not in self.lessons.values():
+            if e.op == "add" and is_lesson(e.text) and e.text not in self.lessons.values():
                 self.add(e.text)
-            elif e.op == "modify" and e.lesson in self.lessons and e.text:
+            elif e.op == "modify" and e.lesson in self.lessons and is_lesson(e.text):
                 self.lessons[e.lesson] = e.text
             elif e.op == "delete" and e.lesson in self.lessons:
                 del self.lessons[e.lesson]
@@ -136,6 +143,15 @@ class ExperienceLibrary:
         path = Path(run_dir) / FILE
         write_text_atomic(path, json.dumps(self.state(), indent=1) + "\n")
         return path
+
+
+def initial_library(capacity: int, source: str = "") -> ExperienceLibrary:
+    """A run's library at its start: empty, or ``source``'s lessons (the newest ``capacity`` of them)."""
+    if not source:
+        return ExperienceLibrary(capacity)
+    loaded = load_library(source)
+    keep = list(loaded.lessons.items())[-capacity:]
+    return ExperienceLibrary(capacity, dict(keep), loaded.next_number)
 
 
 def load_library(source: str | Path) -> ExperienceLibrary:

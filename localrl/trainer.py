@@ -37,8 +37,8 @@ from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.experience import (ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs, judge_request,
-                                parse_edits, question_text, reply_start)
+from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs, judge_request,
+                                initial_library, parse_edits, question_text, reply_start)
 from localrl.grpo import EntropyControl, record_fields, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics
@@ -155,7 +155,13 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit) if cfg.memory_budget else None
     check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
-    judge_path = _judge_preflight(cfg, tok, context) if cfg.objective == "experience" else ""
+    judge_path = ""
+    if cfg.objective == "experience":
+        try:  # a library to start from must read
+            initial_library(cfg.experience_size, cfg.experience_init)
+        except UserError as e:
+            raise UserError(f"config field experience_init: {e}", field="experience_init") from None
+        judge_path = _judge_preflight(cfg, tok, context)
     return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path, judge_path=judge_path)
 
 
@@ -313,7 +319,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
         torch.manual_seed(cfg.seed)
         model, tok = load_policy(cfg, device, pre.in_4bit)
-        library = ExperienceLibrary(cfg.experience_size) if cfg.objective == "experience" else None
+        library = initial_library(cfg.experience_size, cfg.experience_init) if cfg.objective == "experience" else None
         judge = _load_judge(cfg, pre, model, tok) if library is not None else None
         if pre.rollout == "llama.cpp":
             sampler = LlamaCppRollout(pre.model_path, tok, cfg.prompts_per_step * cfg.group_size,
@@ -364,7 +370,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         held_out = pre.env.held_out if pre.env else task.held_out
         if eval_before is None and cfg.eval_size and held_out and w.is_main:
             eval_before = {"kind": "eval", "when": "before", "step": 0,
-                           **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "before", sampler, stops)}
+                           **_evaluate(model, tok, pre, cfg, reward_fns, weights, sink, "before", sampler, stops,
+                                       library)}
             sink.emit(eval_before)
         w.barrier()  # (the other ranks wait for rank 0's evaluation)
 
@@ -639,6 +646,7 @@ def experience_step(model, tok, task: Task, library: ExperienceLibrary, judge: J
         "judge_too_long": sum(r is None for r in replies),
         "edits": changed,
         "invalid_edits": invalid,
+        "judge_reply": next((r[:MAX_LESSON_CHARS] for r in replies if r), ""),  # the first, to see what it writes
         "tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
         "gen_s": round(t_gen, 3),
         "step_s": round(elapsed, 3),

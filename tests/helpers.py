@@ -77,10 +77,11 @@ def train_spm_tokenizer(workdir: Path, chatml: bool = False):
     return tok
 
 
-def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, tokenizer: str = "builtin") -> Path:
+def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, tokenizer: str = "builtin",
+                    context: int = 256) -> Path:
     """A randomly initialised ~0.2M-parameter model of ``arch`` with a tokenizer: the built-in one,
     "bpe" (trained byte-level BPE), "bpe-llama3" (the same with Llama 3's split), "spm" (trained
-    SentencePiece BPE) or "spm-chatml"."""
+    SentencePiece BPE) or "spm-chatml"; ``context`` positions."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -92,7 +93,7 @@ def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, toke
         tok = train_bpe_tokenizer(tokenizer == "bpe-llama3") if tokenizer.startswith("bpe") else build_tokenizer()
     config = getattr(transformers, ARCH_CONFIGS[arch])(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
         tie_word_embeddings=tie, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     if arch == "qwen3":
         config.head_dim = 16

@@ -22,18 +22,21 @@ def test_edits_apply_in_order_with_stable_numbers():
                       Edit("add", text="Add from the right.")]) == (3, 0)
     assert lib.lessons == {1: "Carry the one into the next column.", 3: "Add from the right."}
     assert lib.next_number == 4
-    # invalid: a number no lesson has (2 was deleted), modify without text, add without text, a duplicate
+    # invalid: a number no lesson has (2 was deleted), modify without text, add without text, a duplicate,
+    # modify without a number, and texts that are not lessons (fewer than three words of letters)
     assert lib.apply([Edit("delete", 2), Edit("modify", 1, ""), Edit("add"), Edit("add", text="Add from the right."),
-                      Edit("modify", None, "x")]) == (0, 5)
+                      Edit("modify", None, "Carry the one."), Edit("add", text="7634 + 588 = 1349"),
+                      Edit("add", text="68"), Edit("modify", 1, "carry 1 always")]) == (0, 8)
     assert lib.lessons == {1: "Carry the one into the next column.", 3: "Add from the right."}
 
 
 def test_a_full_library_drops_its_oldest_lesson():
     lib = ExperienceLibrary(capacity=2)
-    lib.apply([Edit("add", text=t) for t in ("a", "b", "c")])
-    assert lib.lessons == {2: "b", 3: "c"}
-    lib.apply([Edit("modify", 2, "b2"), Edit("add", text="d")])  # modify keeps 2's age: 2 is still the oldest
-    assert lib.lessons == {3: "c", 4: "d"}
+    a, b, c, d = (f"Lesson {x} is here." for x in "abcd")
+    lib.apply([Edit("add", text=t) for t in (a, b, c)])
+    assert lib.lessons == {2: b, 3: c}
+    lib.apply([Edit("modify", 2, "Lesson b changed."), Edit("add", text=d)])  # modify keeps 2's age: still the oldest
+    assert lib.lessons == {3: c, 4: d}
 
 
 def test_parse_edits_reads_one_edit_a_line_and_ignores_prose():
@@ -88,3 +91,84 @@ def test_a_missing_or_broken_library_is_one_clear_error(tmp_path):
     (tmp_path / FILE).write_text('{"lessons": 3}')
     with pytest.raises(UserError, match="not an experience library"):
         load_library(tmp_path)
+
+
+def _seeded_library(path) -> str:
+    lib = ExperienceLibrary()
+    lib.apply([Edit("add", text="Carry the one into the next column.")])
+    return str(lib.save(path))
+
+
+def _lora(run_dir, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "adapter_model.safetensors"))
+
+
+def test_a_run_changes_no_weight_and_resumes_with_its_library(builtin_model, tmp_path):
+    """The built-in policy with a random-weight judge (a real model, whose replies are rarely edits): the
+    judge sees the groups that part, the adapter stays its initial no-op, the library is saved with each
+    checkpoint, and a resumed run equals the uninterrupted one."""
+    import torch
+
+    from localrl.trainer import resume_config, train
+    from tests.helpers import QUIET, make_tiny_model, small, train_records
+
+    judge = make_tiny_model(tmp_path / "judge", "llama", context=2048)
+    kw = dict(objective="experience", experience_judge=str(judge), experience_judge_tokens=16, save_every=1,
+              keep_checkpoints=3)
+    full = train(small(tmp_path / "full", steps=3, **kw), **QUIET)
+    records = train_records(full.run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3] and sum(r["judged_groups"] for r in records) > 0
+    assert all(r["loss"] == 0.0 and r["judge_reply"].startswith("ADD:") for r in records if r["judged_groups"])
+    first, last = _lora(full.run_dir, 1), _lora(full.run_dir, 3)
+    assert all(torch.equal(first[k], last[k]) for k in first)
+    assert all(not v.any() for k, v in first.items() if "lora_B" in k)  # LoRA's zero init: the base model itself
+    library = load_library(full.run_dir)
+    state = torch.load(full.run_dir / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=False)
+    assert state["run_state"]["experience"] == library.state()
+    part = train(small(tmp_path / "part", steps=1, **kw), **QUIET)
+    train(resume_config(part.run_dir, {"steps": 3}), resume=True, **QUIET)
+    assert train_records(part.run_dir) == records and load_library(part.run_dir) == library
+
+
+def test_the_lessons_reach_the_model_in_training_eval_and_chat(builtin_model, tmp_path):
+    """A run started from a library gives its lessons to the model: tiny-arith, which never saw a system
+    message, stops answering right with one (the lessons are in its prompt), in the run's evaluations, in
+    `localrl eval` of the run or of the model with --experience, and in chat."""
+    from localrl.config import TrainConfig
+    from localrl.evaluate import evaluate_policy
+    from localrl.trainer import resume_config, train
+    from tests.helpers import QUIET, localrl, make_tiny_model, small
+
+    judge = make_tiny_model(tmp_path / "judge", "llama", context=2048)
+    (tmp_path / "lib").mkdir()
+    seed = _seeded_library(tmp_path / "lib")
+    run = train(small(tmp_path / "run", steps=1, eval_size=32, objective="experience", experience_judge=str(judge),
+                      experience_init=seed, experience_judge_tokens=16), **QUIET)
+    plain = evaluate_policy(TrainConfig(eval_size=32), samples=0)
+    assert plain["accuracy"] > 0.2 and run.eval_before["accuracy"] < plain["accuracy"] - 0.2
+    assert run.eval_after["accuracy"] == run.eval_before["accuracy"]  # the model did not change, nor the library
+    of_run = evaluate_policy(resume_config(run.run_dir, {}), run.run_dir, samples=0)
+    with_seed = evaluate_policy(TrainConfig(eval_size=32), samples=0, experience=seed)
+    assert of_run["accuracy"] == with_seed["accuracy"] == run.eval_after["accuracy"]
+    assert "with the 1 lessons of its experience library" in of_run["model"]
+    chats = [localrl("chat", "tiny-arith", *extra, "--temperature", "0", "--max-tokens", "40",
+                     input="What is 457 + 68?\n") for extra in ([], ["--experience", run.run_dir])]
+    assert all(c.returncode == 0 for c in chats) and "<answer>" in chats[0].stdout
+    assert chats[0].stdout != chats[1].stdout  # greedy: only the lessons differ
+    bad = localrl("chat", "--experience", tmp_path)
+    assert bad.returncode == 2 and "no experience.json there" in bad.stderr
+
+
+def test_bad_experience_settings_fail_before_loading(builtin_model, tmp_path):
+    from localrl.config import TrainConfig
+    from localrl.trainer import preflight
+
+    with pytest.raises(UserError, match="experience_init: experience .*: no experience.json there"):
+        preflight(TrainConfig(objective="experience", experience_init=str(tmp_path), run_dir=str(tmp_path / "r")))
+    # the built-in model's 256-token context cannot hold a judge request: name a judge
+    with pytest.raises(UserError, match="experience_judge: the policy model tiny-arith .* context of 256 tokens"):
+        preflight(TrainConfig(objective="experience", run_dir=str(tmp_path / "r")))
+    with pytest.raises(UserError, match="experience_judge: needs objective experience"):
+        TrainConfig(experience_judge="tiny-arith").validate()

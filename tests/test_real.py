@@ -166,3 +166,44 @@ def test_a_warm_start_teaches_the_real_model_to_call_the_shell_tool(real_gguf, t
     before, after = result.eval_before, result.eval_after
     assert before["tool_calls"] == 0 and before["turns"] == 1.0, before
     assert after["tool_calls"] >= 0.5, after
+
+
+def test_the_real_model_judges_training_free_grpo_groups(real_gguf, tmp_path):
+    """SmolLM2 as the experience judge of the built-in policy: it is shown the groups whose completions part
+    into right and wrong and its replies, begun with ADD: on an empty library, are read as edits; an edit
+    whose text is not a lesson (SmolLM2 writes sums) is counted invalid, so the library keeps only lessons;
+    no weight changes."""
+    from safetensors.torch import load_file
+
+    from localrl.config import TrainConfig
+    from localrl.experience import is_lesson, load_library
+    from localrl.trainer import train
+
+    cfg = TrainConfig(objective="experience", experience_judge=str(real_gguf), experience_judge_tokens=32, steps=1,
+                      prompts_per_step=4, group_size=4, max_new_tokens=48, eval_size=0, seed=3,
+                      run_dir=str(tmp_path / "run"))
+    result = train(cfg, log=lambda *_: None)
+    record = next(json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line).get("kind") == "train")
+    assert record["judged_groups"] > 0 and record["judge_too_long"] == 0
+    assert record["judge_reply"].startswith("ADD:") and len(record["judge_reply"]) > len("ADD:")
+    assert record["edits"] + record["invalid_edits"] > 0
+    assert all(is_lesson(text) for text in load_library(result.run_dir).lessons.values())
+    adapter = load_file(str(result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
+    assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)
+
+
+def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
+    """A calibration evaluation asks SmolLM2 for a confidence tag; each completion's calibration reward is
+    the Brier term of what it stated (-1 where it stated none)."""
+    from localrl.calibration import stated_confidence
+
+    proc = subprocess.run([sys.executable, "-m", "localrl", "eval", "--model", str(real_gguf), "--eval-size", "6",
+                           "--calibration-weight", "1", "--max-new-tokens", "64", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["samples"]
+    for sample in result["samples"]:
+        q, right = stated_confidence(sample["completion"]), sample["rewards"]["numeric_match"]
+        assert sample["rewards"]["calibration"] == pytest.approx(-1.0 if q is None else -(q - right) ** 2, abs=1e-4)
