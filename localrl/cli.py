@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--experience", metavar="RUN_DIR|FILE", help="give the model this experience library's lessons "
-                   "(a training-free GRPO run, or its experience.json); a run of objective experience uses its own")
+                   "(a training-free GRPO run, its experience.json, or a .txt of lessons, one a line); a run of "
+                   "objective experience uses its own")
     p.add_argument("--reliability", metavar="PNG", help="draw the reliability diagram of the stated confidences "
                    "(<confidence> tags) into this PNG")
     p.set_defaults(func=cmd_eval)
@@ -504,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default with --experience: that run)")
     p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (0: greedy)")
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--experience", metavar="RUN_DIR", help="a training-free GRPO run (objective experience): its "
-                   "lessons follow the system message")
+    p.add_argument("--experience", metavar="RUN_DIR|FILE", help="a training-free GRPO run (objective experience), "
+                   "its experience.json or a .txt of lessons: the lessons follow the system message")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
     p.set_defaults(func=cmd_chat)

@@ -75,8 +75,8 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
 
 
 def experience_of(run: str | Path | None, experience: str | Path | None = None):
-    """The experience library to evaluate with: ``experience`` (a run directory or experience.json), else
-    that of ``run`` when it is a training-free GRPO run, else None."""
+    """The experience library to evaluate with: ``experience`` (a run directory, an experience.json or a
+    .txt of lessons), else that of ``run`` when it is a training-free GRPO run, else None."""
     from localrl.experience import FILE, load_library
 
     if experience:
@@ -91,7 +91,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}; with
     ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too. A
     training-free GRPO run is evaluated with its experience library's lessons in the system message, and any
-    model with ``experience``'s (a run directory or experience.json)."""
+    model with ``experience``'s (a run directory, an experience.json or a .txt of lessons)."""
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.rewards import config_rewards
     from localrl.runs import Run

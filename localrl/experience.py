@@ -155,12 +155,18 @@ def initial_library(capacity: int, source: str = "") -> ExperienceLibrary:
 
 
 def load_library(source: str | Path) -> ExperienceLibrary:
-    """The library of a run directory (its ``experience.json``) or of such a file; one clear error otherwise."""
+    """The library of a run directory (its ``experience.json``), of such a file, or of a text file of lessons
+    written by hand (``.txt``, one a line); one clear error otherwise."""
     path = Path(source)
     path = path / FILE if path.is_dir() else path
     if not path.is_file():
         raise UserError(f"experience {source}: no {FILE} there (a run trained with objective = experience "
-                        f"writes one)")
+                        f"writes one)" if path.name == FILE else f"experience {source}: no such file")
+    if path.suffix == ".txt":
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        library = ExperienceLibrary(capacity=max(len(lines), 1))
+        library.apply([Edit("add", text=line) for line in lines])
+        return library
     try:
         return ExperienceLibrary.from_state(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as e:

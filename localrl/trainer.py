@@ -37,8 +37,8 @@ from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
-from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs, judge_request,
-                                initial_library, parse_edits, question_text, reply_start)
+from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
+                                initial_library, judge_request, parse_edits, question_text, reply_start)
 from localrl.grpo import EntropyControl, record_fields, update
 from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
 from localrl.metrics import Listener, MetricsSink, read_metrics

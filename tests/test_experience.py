@@ -85,12 +85,20 @@ def test_the_library_follows_the_system_message_and_round_trips(tmp_path):
     assert back == lib and load_library(path) == lib
 
 
+def test_lessons_written_by_hand_read_from_a_text_file(tmp_path):
+    (tmp_path / "lessons.txt").write_text("Carry the one into the next column.\n\n  Check the last digit twice.\n")
+    assert load_library(tmp_path / "lessons.txt").lessons == {1: "Carry the one into the next column.",
+                                                              2: "Check the last digit twice."}
+
+
 def test_a_missing_or_broken_library_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="no experience.json there"):
         load_library(tmp_path)
     (tmp_path / FILE).write_text('{"lessons": 3}')
     with pytest.raises(UserError, match="not an experience library"):
         load_library(tmp_path)
+    with pytest.raises(UserError, match="no such file"):
+        load_library(tmp_path / "lessons.txt")
 
 
 def _seeded_library(path) -> str:
