@@ -77,11 +77,12 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
 def experience_of(run: str | Path | None, experience: str | Path | None = None):
     """The experience library to evaluate with: ``experience`` (a run directory, an experience.json or a
     .txt of lessons), else that of ``run`` when it is a training-free GRPO run, else None."""
-    from localrl.experience import FILE, load_library
+    from localrl.experience import load_library
+    from localrl.runs import Run
 
     if experience:
         return load_library(experience)
-    return load_library(run) if run is not None and (Path(run) / FILE).is_file() else None
+    return load_library(run) if run is not None and Run(run).experience_path.is_file() else None
 
 
 def evaluate_policy(cfg, run: str | Path | None = None,

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from localrl.atomic import write_text_atomic
 from localrl.errors import UserError
+from localrl.runs import EXPERIENCE, Run
 
-FILE = "experience.json"
 MAX_LESSON_CHARS = 240
 MIN_LESSON_WORDS = 3
 HEADER = "Lessons from earlier attempts at such problems:"
@@ -139,10 +139,10 @@ class ExperienceLibrary:
         return cls(int(state["capacity"]), {int(x["number"]): str(x["text"]) for x in state["lessons"]},
                    int(state["next_number"]))
 
-    def save(self, run_dir: str | Path) -> Path:
-        path = Path(run_dir) / FILE
-        write_text_atomic(path, json.dumps(self.state(), indent=1) + "\n")
-        return path
+    def save(self, path: str | Path) -> Path:
+        """Write the library to ``path`` (a run's ``experience_path``), atomically."""
+        write_text_atomic(Path(path), json.dumps(self.state(), indent=1) + "\n")
+        return Path(path)
 
 
 def initial_library(capacity: int, source: str = "") -> ExperienceLibrary:
@@ -158,10 +158,10 @@ def load_library(source: str | Path) -> ExperienceLibrary:
     """The library of a run directory (its ``experience.json``), of such a file, or of a text file of lessons
     written by hand (``.txt``, one a line); one clear error otherwise."""
     path = Path(source)
-    path = path / FILE if path.is_dir() else path
+    path = Run(path).experience_path if path.is_dir() else path
     if not path.is_file():
-        raise UserError(f"experience {source}: no {FILE} there (a run trained with objective = experience "
-                        f"writes one)" if path.name == FILE else f"experience {source}: no such file")
+        raise UserError(f"experience {source}: no {EXPERIENCE} there (a run trained with objective = experience "
+                        f"writes one)" if path.name == EXPERIENCE else f"experience {source}: no such file")
     if path.suffix == ".txt":
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         library = ExperienceLibrary(capacity=max(len(lines), 1))

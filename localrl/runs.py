@@ -5,6 +5,8 @@
                         resume's checkpoint has loaded, so a failed resume changes nothing)
       base.json         which base weights the run trains: name, path and a content fingerprint
       metrics.jsonl     the metrics sink's records (metrics.py): train, eval, checkpoint, status
+      experience.json   objective experience (training-free GRPO): the experience library after the
+                        latest step (experience.py); each checkpoint's trainer_state.pt holds its own
       checkpoints/
         step-000010/    a PEFT adapter directory plus trainer_state.pt (optimizer, RNG, step)
 
@@ -44,6 +46,7 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the adapter weights
 ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
+EXPERIENCE = "experience.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-")
 
@@ -65,6 +68,10 @@ class Run:
     @property
     def metrics_path(self) -> Path:
         return self.path / METRICS
+
+    @property
+    def experience_path(self) -> Path:
+        return self.path / EXPERIENCE
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -425,7 +425,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 record["wall_time"] = round(wall_offset + time.time() - t_run, 3)
                 sink.emit(record)
                 if library is not None and w.is_main:
-                    library.save(run.path)
+                    library.save(run.experience_path)
                 flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
                 messages = [no_signal_message(record, flat_steps)] if flat_steps == FLAT_STEPS_WARNING else []
                 if check_name is not None:

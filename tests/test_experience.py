@@ -9,7 +9,7 @@ import json
 import pytest
 
 from localrl.errors import UserError
-from localrl.experience import (FILE, HEADER, MAX_LESSON_CHARS, Edit, ExperienceLibrary, contrasting_pairs,
+from localrl.experience import (HEADER, MAX_LESSON_CHARS, Edit, ExperienceLibrary, contrasting_pairs,
                                 judge_request, load_library, parse_edits)
 
 
@@ -79,8 +79,8 @@ def test_the_library_follows_the_system_message_and_round_trips(tmp_path):
     lib.apply([Edit("add", text="Carry the one."), Edit("add", text="Check the sum.")])
     assert lib.system("Be brief.") == f"Be brief.\n\n{HEADER}\n[1] Carry the one.\n[2] Check the sum."
     assert lib.system(None) == f"{HEADER}\n[1] Carry the one.\n[2] Check the sum."
-    path = lib.save(tmp_path)
-    assert path == tmp_path / FILE and json.loads(path.read_text())["lessons"][1] == {"number": 2, "text": "Check the sum."}
+    path = lib.save(tmp_path / "experience.json")
+    assert path.is_file() and json.loads(path.read_text())["lessons"][1] == {"number": 2, "text": "Check the sum."}
     back = load_library(tmp_path)
     assert back == lib and load_library(path) == lib
 
@@ -94,7 +94,7 @@ def test_lessons_written_by_hand_read_from_a_text_file(tmp_path):
 def test_a_missing_or_broken_library_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="no experience.json there"):
         load_library(tmp_path)
-    (tmp_path / FILE).write_text('{"lessons": 3}')
+    (tmp_path / "experience.json").write_text('{"lessons": 3}')
     with pytest.raises(UserError, match="not an experience library"):
         load_library(tmp_path)
     with pytest.raises(UserError, match="no such file"):
@@ -104,7 +104,7 @@ def test_a_missing_or_broken_library_is_one_clear_error(tmp_path):
 def _seeded_library(path) -> str:
     lib = ExperienceLibrary()
     lib.apply([Edit("add", text="Carry the one into the next column.")])
-    return str(lib.save(path))
+    return str(lib.save(path / "experience.json"))
 
 
 def _lora(run_dir, step: int) -> dict:

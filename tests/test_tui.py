@@ -132,8 +132,9 @@ def test_attach_watches_a_run_started_elsewhere(tmp_path):
     from localrl.config import TrainConfig
     from localrl.trainer import train
 
-    cfg = TrainConfig(steps=2, prompts_per_step=2, group_size=2, eval_size=0, run_dir=str(tmp_path / "run"))
-    train(cfg, log=lambda *_: None)
+    cfg = TrainConfig(model="tiny-arith-conf", calibration_weight=1.0, steps=2, prompts_per_step=2, group_size=2,
+                      eval_size=8, run_dir=str(tmp_path / "run"))
+    result = train(cfg, log=lambda *_: None)
 
     async def go():
         app = LocalRLApp(attach=tmp_path / "run", data_dir=tmp_path / "data")
@@ -143,6 +144,8 @@ def test_attach_watches_a_run_started_elsewhere(tmp_path):
             bar = screen.query_one("#progress")
             assert (bar.total, bar.progress) == (2, 2)
             assert "attached" in screen.status
+            text = str(screen.query_one("#run-status").render())  # a calibration run's evaluations show ECE
+            assert f"eval after: {result.eval_after['accuracy']:.1%} (ECE {result.eval_after['ece']:.3f})" in text
 
     run(go())
 

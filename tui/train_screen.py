@@ -256,7 +256,8 @@ class TrainScreen(Screen):
 
     def _eval_summary(self) -> str:
         evals = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "eval"]
-        return "".join(f"  eval {r['when']}: {r['accuracy']:.1%}" for r in evals)
+        return "".join(f"  eval {r['when']}: {r['accuracy']:.1%}" + (f" (ECE {r['ece']:.3f})" if "ece" in r else "")
+                       for r in evals)
 
     # -- the watcher (one redraw per tick, however much arrived) ------------------------
 
