@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT = "tiny-arith"
-BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-shell")  # one recipe each in build.py
+BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-arith-verbose", "tiny-shell")  # one recipe each in build.py
 
 
 def builtin_names() -> list[str]:

@@ -10,6 +10,7 @@ from localrl.models.shell_recipe import ShellRecipe, shell_data
 RECIPES: dict[str, Recipe] = {
     "tiny-arith": Recipe(),
     "tiny-arith-conf": Recipe(confidence=True),
+    "tiny-arith-verbose": Recipe(restate=0.5),
     "tiny-shell": ShellRecipe(steps=2000, batch_size=32, max_positions=512),
 }
 

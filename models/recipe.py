@@ -18,6 +18,9 @@ Deliberate choices:
   rewards (RLCR): every trace ends with ``<confidence>0.7</confidence>``, a confidence drawn uniformly
   from 0.0, 0.1, ..., 1.0 whatever the trace, so the confidence it states says nothing about whether it is
   right until reinforcement learning teaches it to. The tags are two more added tokens.
+- ``tiny-arith-verbose`` (``restate=0.5``) ends half its traces' working with one redundant line, the
+  whole sum restated as worked out (``457+68=525``), for the shrinking-budget recipe: a model whose
+  traces can get shorter without getting worse.
 - Loss on the assistant turn only; the prompt is context.
 - Deterministic for a seed on one machine: one seeded generator for data and init,
   a fixed thread count, no dropout.
@@ -66,6 +69,7 @@ class Recipe:
     threads: int = 2
     max_positions: int = 256
     confidence: bool = False  # end each trace with an uninformative <confidence> tag (tiny-arith-conf)
+    restate: float = 0.0  # the chance a trace ends its working by restating the whole sum (tiny-arith-verbose)
 
 
 # Whole-word merges for the words of every prompt; digits are never merged, so each digit
@@ -129,9 +133,17 @@ def encode_example(tok, question: str, completion: str) -> tuple[list[int], list
 
 
 def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = [encode_example(tok, p.question, worked_answer(p, rng, recipe.drop_carry) + _stated_confidence(rng, recipe))
-            for p in sample_problems(rng, recipe.batch_size)]
+    rows = [encode_example(tok, p.question, _trace(p, rng, recipe)) for p in sample_problems(rng, recipe.batch_size)]
     return pad_batch(rows, tok.pad_token_id)
+
+
+def _trace(p, rng: random.Random, recipe: Recipe) -> str:
+    """A pretraining completion for problem ``p``: the worked answer, with the recipe's extra habits."""
+    trace = worked_answer(p, rng, recipe.drop_carry)
+    if recipe.restate and rng.random() < recipe.restate:  # "...</think>" -> "...{a}+{b}={result}\n</think>"
+        result = trace[trace.index("<answer>") + len("<answer>"):trace.index("</answer>")]
+        trace = trace.replace("</think>", f"{p.a}+{p.b}={result}\n</think>", 1)
+    return trace + _stated_confidence(rng, recipe)
 
 
 def _stated_confidence(rng: random.Random, recipe: Recipe) -> str:
