@@ -19,7 +19,6 @@ steps (pairs bootstrap).
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,14 +199,9 @@ def describe(curve: RunCurve, metric: str, compute: str) -> str:
 
 def plot_curves(curves: list[RunCurve], out: str | Path, metric: str, compute: str) -> Path:
     """The runs' points and fitted curves in one PNG (written atomically)."""
-    import matplotlib
+    from localrl.plot import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from localrl.atomic import write_bytes_atomic
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig, ax = pyplot().subplots(figsize=(7, 4), dpi=110)
     for i, curve in enumerate(curves):
         color = f"C{i}"
         ax.plot(curve.compute, curve.values, "o", ms=3, alpha=0.45, color=color)
@@ -223,9 +217,4 @@ def plot_curves(curves: list[RunCurve], out: str | Path, metric: str, compute: s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    out = Path(out)
-    write_bytes_atomic(out, buffer.getvalue())
-    return out
+    return save_png(fig, out)

@@ -20,7 +20,6 @@ bin. Answers without a stated confidence are left out of ECE and Brier and count
 
 from __future__ import annotations
 
-import io
 import math
 import re
 from pathlib import Path
@@ -30,6 +29,7 @@ CONFIDENCE_PROMPT = ("After the answer, say how likely it is to be right, as a n
                      "<confidence> </confidence> tags, for example <confidence>0.8</confidence>.")
 BINS = 10
 
+TRAILING_CONFIDENCE = r"(?:<confidence>[^<]*</confidence>\s*)?"  # a pattern: the optional tag after an answer
 _CONFIDENCE = re.compile(r"<confidence>(.*?)</confidence>", re.DOTALL)
 _VALUE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*$")
 
@@ -115,14 +115,9 @@ def calibration_summary(completions: list[str], correct: list[float]) -> dict | 
 def plot_reliability(curves: dict[str, dict], out: str | Path, title: str = "reliability") -> Path:
     """A reliability diagram (accuracy against mean confidence per bin, the diagonal for perfect calibration,
     each curve's ECE in its label) of one or more ``calibration_summary`` results, written atomically."""
-    import matplotlib
+    from localrl.plot import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from localrl.atomic import write_bytes_atomic
-
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig, ax = pyplot().subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
     for name, summary in curves.items():
         filled = [b for b in summary["reliability"] if b["n"]]
@@ -130,9 +125,4 @@ def plot_reliability(curves: dict[str, dict], out: str | Path, title: str = "rel
                 label=f"{name} (ECE {summary['ece']:.3f}, n {sum(b['n'] for b in filled)})")
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="stated confidence (bin mean)", ylabel="accuracy", title=title)
     ax.legend(loc="upper left", fontsize=8)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    out = Path(out)
-    write_bytes_atomic(out, buf.getvalue())
-    return out
+    return save_png(fig, out, dpi=100, bbox_inches="tight")

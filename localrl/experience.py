@@ -213,14 +213,13 @@ class Judge:
     def __init__(self, model, tok, max_new_tokens: int, context: int | None):
         self.model, self.tok, self.max_new_tokens, self.context = model, tok, max_new_tokens, context
 
-    def __call__(self, requests: list[list[dict]], starts: list[str] | None = None) -> list[str | None]:
-        """Each request's reply, begun with its ``starts`` text (written for the judge, then continued by it);
-        None for one that does not fit the judge's context with its reply."""
+    def __call__(self, requests: list[list[dict]], start: str = "") -> list[str | None]:
+        """Each request's reply, begun with ``start`` (written for the judge, then continued by it); None for
+        one that does not fit the judge's context with its reply."""
         from localrl.rollout import decode_completions, encode_prompts, sample_groups, stop_token_ids
 
-        starts = starts or [""] * len(requests)
-        prompts = [p + (self.tok(start, add_special_tokens=False)["input_ids"] if start else [])
-                   for p, start in zip(encode_prompts(self.tok, [{"prompt": r} for r in requests]), starts)]
+        begun = self.tok(start, add_special_tokens=False)["input_ids"] if start else []
+        prompts = [p + begun for p in encode_prompts(self.tok, [{"prompt": r} for r in requests])]
         fits = [self.context is None or len(p) + self.max_new_tokens <= self.context for p in prompts]
         kept = [p for p, ok in zip(prompts, fits) if ok]
         replies = iter([])
@@ -231,7 +230,7 @@ class Judge:
                                     self.tok.pad_token_id, temperature=0.0)
             self.model.train(was_training)
             replies = iter(decode_completions(self.tok, rollout))
-        return [start + next(replies) if ok else None for ok, start in zip(fits, starts)]
+        return [start + next(replies) if ok else None for ok in fits]
 
 
 def check_judge_fits(tok, context: int | None, max_new_tokens: int, reply_tokens: int, where: str) -> None:

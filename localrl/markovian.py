@@ -24,8 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from localrl.config import TrainConfig
-from localrl.grpo import record_fields, update
-from localrl.memory import peak_memory_mb
+from localrl.grpo import step_record, update
 from localrl.rewards import combine, reward_names, score
 from localrl.rollout import Rollout, encode_prompts, group_generators, left_pad, sample_groups
 
@@ -125,23 +124,9 @@ def markovian_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, rew
     chunk_cfg = replace(cfg, max_new_tokens=cfg.markovian_chunk)  # (dr_grpo's constant: a chunk's length)
     stats = update(model, optimizer, rollout, rewards, chunk_cfg, step, budget, None, reference, entropy_coef,
                    reward_rows=chunks.trace)  # each chunk with its trace's advantage
-    elapsed = time.time() - t0
-    lengths = [len(t) for t in chunks.traces]
-    return {
-        "kind": "train",
-        "step": step + 1,
-        "completions": len(lengths),
-        **record_fields(rewards, scores, reward_names(reward_fns), stats, lengths),
-        "completion_len": sum(lengths) / len(lengths),  # of whole traces
-        "chunks_per_trace": rollout.completion_ids.size(0) / len(lengths),
-        "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max()),
-        "truncated": chunks.truncated.float().mean().item(),
-        "frac_reward_zero_std": stats["frac_reward_zero_std"],
-        "tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
-        "gen_s": round(t_gen, 3),
-        "step_s": round(elapsed, 3),
-        "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": stats["micro_batch"],
-        "peak_mem_mb": peak_memory_mb(next(model.parameters()).device),
-        **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
-    }
+    record = step_record(step, rewards, scores, reward_names(reward_fns), stats,
+                         [len(t) for t in chunks.traces],  # of whole traces
+                         chunks.truncated.float().mean().item(), t0, t_gen, optimizer.param_groups[0]["lr"],
+                         next(model.parameters()).device)
+    return {**record, "chunks_per_trace": rollout.completion_ids.size(0) / len(chunks.traces),
+            "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max())}

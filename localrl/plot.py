@@ -12,15 +12,30 @@ from localrl.metrics import read_metrics
 from localrl.runs import Run
 
 
-def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> Path:
-    """Draw ``run_dir``'s metrics into ``out`` (written atomically); returns the path."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_png(fig, out: str | Path, **savefig) -> Path:
+    """Render ``fig`` as a PNG, close it, and write it to ``out`` atomically; returns the path."""
     from localrl.atomic import write_bytes_atomic
 
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig)
+    pyplot().close(fig)
+    write_bytes_atomic(Path(out), buffer.getvalue())
+    return Path(out)
+
+
+def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> Path:
+    """Draw ``run_dir``'s metrics into ``out`` (written atomically); returns the path."""
+    plt = pyplot()
     run = Run.open(run_dir)
     records = read_metrics(run.metrics_path)
     steps = [r for r in records if r.get("kind") == "train"]
@@ -55,14 +70,11 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
     ax.grid(alpha=0.3)
     ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="lower right")
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
     out = Path(out)
     if out.is_dir() or not out.parent.is_dir():
+        plt.close(fig)
         raise UserError(f"plot --out {out}: " + ("is a directory" if out.is_dir() else "its folder does not exist"))
-    write_bytes_atomic(out, buffer.getvalue())
-    return out
+    return save_png(fig, out)
 
 
 def _smooth(values: list[float], k: int = 5) -> list[float]:

@@ -23,6 +23,7 @@ import math
 import re
 from typing import Callable
 
+from localrl.calibration import TRAILING_CONFIDENCE, brier_penalty
 from localrl.errors import UserError
 
 RewardFn = Callable[..., list[float]]
@@ -30,8 +31,7 @@ RewardFn = Callable[..., list[float]]
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 # the format, with the optional confidence a calibration run states after its answer
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*(?:<confidence>[^<]*</confidence>\s*)?$",
-                     re.DOTALL)
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*" + TRAILING_CONFIDENCE + "$", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _LEAD = re.compile(r"^(?:\**\s*(?:final\s+)?answer\s*\**\s*[:=]\s*)", re.IGNORECASE)
 
@@ -214,8 +214,6 @@ def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, 
         fns.append(length_penalty(correct))
         weights.append(length_weight)
     if calibration_weight > 0:
-        from localrl.calibration import brier_penalty
-
         fns.append(brier_penalty(correct))
         weights.append(calibration_weight)
     if check is not None:

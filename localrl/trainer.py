@@ -39,8 +39,8 @@ from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
                                 initial_library, judge_request, parse_edits, question_text, reply_start)
-from localrl.grpo import EntropyControl, record_fields, update
-from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit, peak_memory_mb
+from localrl.grpo import EntropyControl, step_record, update
+from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.monitors import HackingMonitor, reward_shares
 from localrl.modeling import (check_weights, default_4bit, load_base, load_config, load_policy, load_tokenizer,
@@ -584,29 +584,10 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
         train_rollout, train_rewards = rollout, rewards
     stats = update(model, optimizer, train_rollout, train_rewards, cfg, step, budget, sampler_logp, reference,
                    entropy_coef)
-    elapsed = time.time() - t0
-    gen_tokens = int(rollout.completion_mask.sum())
-    device = next(model.parameters()).device
-    return {
-        "kind": "train",
-        "step": step + 1,
-        "completions": rollout.completion_ids.size(0),
-        # of every completion sampled this step
-        **record_fields(rewards, scores, reward_names(reward_fns), stats, rollout.completion_mask.sum(1).tolist()),
-        "completion_len": gen_tokens / rollout.completion_ids.size(0),
-        "truncated": rollout.truncated.float().mean().item(),
-        "frac_reward_zero_std": stats["frac_reward_zero_std"],
-        "tokens_per_s": gen_tokens / max(elapsed, 1e-9),
-        "gen_s": round(t_gen, 3),
-        "step_s": round(elapsed, 3),
-        "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": stats["micro_batch"],
-        "peak_mem_mb": peak_memory_mb(device),
-        **({"sampled_prompts": sampled_prompts} if cfg.dynamic_sampling else {}),
-        **({"entropy": stats["entropy"]} if "entropy" in stats else {}),
-        **({"is_weight": stats["is_weight"]} if "is_weight" in stats else {}),
-        **({"allreduce_s": stats["allreduce_s"]} if "allreduce_s" in stats else {}),
-    }
+    record = step_record(step, rewards, scores, reward_names(reward_fns), stats,  # of every completion sampled
+                         rollout.completion_mask.sum(1).tolist(), rollout.truncated.float().mean().item(), t0, t_gen,
+                         optimizer.param_groups[0]["lr"], next(model.parameters()).device)
+    return {**record, **({"sampled_prompts": sampled_prompts} if cfg.dynamic_sampling else {})}
 
 
 def experience_step(model, tok, task: Task, library: ExperienceLibrary, judge: Judge, step: int, cfg: TrainConfig,
@@ -623,36 +604,26 @@ def experience_step(model, tok, task: Task, library: ExperienceLibrary, judge: J
     pairs = contrasting_pairs(rows, rnd.texts, rnd.scores[0], cfg.group_size)
     requests = [judge_request(question_text(row["prompt"]), str(row["answer"]), right, wrong, library)
                 for row, right, wrong in pairs]
-    replies = judge(requests, [reply_start(library)] * len(requests)) if requests else []
+    replies = judge(requests, reply_start(library))
     changed = invalid = 0
     for reply in filter(None, replies):
         c, i = library.apply(parse_edits(reply))
         changed, invalid = changed + c, invalid + i
     rewards = torch.tensor(combine(rnd.scores, weights), dtype=torch.float64)
     informative = rnd.informative(weights)
-    lengths = rnd.rollout.completion_mask.sum(1).tolist()
-    elapsed = time.time() - t0
+    no_update = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "micro_batch": 0,
+                 "frac_reward_zero_std": 1.0 - sum(informative) / len(informative)}
+    record = step_record(step, rewards, rnd.scores, reward_names(reward_fns), no_update,
+                         rnd.rollout.completion_mask.sum(1).tolist(), rnd.rollout.truncated.float().mean().item(), t0,
+                         t_gen, 0.0, next(model.parameters()).device)
     return {
-        "kind": "train",
-        "step": step + 1,
-        "completions": len(rnd.texts),
-        **record_fields(rewards, rnd.scores, reward_names(reward_fns), {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0},
-                        lengths),
-        "completion_len": sum(lengths) / len(lengths),
-        "truncated": rnd.rollout.truncated.float().mean().item(),
-        "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
+        **record,
         "lessons": len(library.lessons),
         "judged_groups": len(requests),
         "judge_too_long": sum(r is None for r in replies),
         "edits": changed,
         "invalid_edits": invalid,
         "judge_reply": next((r[:MAX_LESSON_CHARS] for r in replies if r), ""),  # the first, to see what it writes
-        "tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
-        "gen_s": round(t_gen, 3),
-        "step_s": round(elapsed, 3),
-        "lr": 0.0,
-        "micro_batch": 0,
-        "peak_mem_mb": peak_memory_mb(next(model.parameters()).device),
     }
 
 

@@ -24,6 +24,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from localrl.calibration import TRAILING_CONFIDENCE
+
 MIN_DIGITS = 1
 MAX_DIGITS = 4
 
@@ -91,7 +93,7 @@ def worked_answer(p: Problem, rng: random.Random | None = None, drop_carry: floa
 
 
 _QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
-_STRICT_ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>\s*(?:<confidence>[^<]*</confidence>\s*)?$")
+_STRICT_ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>\s*" + TRAILING_CONFIDENCE + "$")
 
 
 def addition_check(completions: list[str], prompt: list, **_) -> list[float]:
