@@ -16,6 +16,7 @@ from typing import TextIO
 
 from localrl.agent import parse_tool_calls, system_message, tool_response
 from localrl.approvals import Approvals
+from localrl.errors import UserError
 from localrl.sandbox import Sandbox
 
 # ask(command, why) -> ("run", command as edited) | ("reject", None) | ("always", prefix) | ("never", prefix)
@@ -43,17 +44,36 @@ def agent_system(setting: str, source: str) -> str | None:
     return None if builtin_path(base) is not None else ""
 
 
+def check_workdir(workdir: str | Path, force: bool = False) -> Path:
+    """The agent's working directory, resolved. Refused: what is not a directory and, without ``force``, ``/``,
+    the user's home directory and any folder holding it, where one careless ``rm -r *`` the user approves would
+    take everything."""
+    path = Path(workdir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"agent --workdir {workdir}: not a directory")
+    path = path.resolve()
+    home = Path.home().resolve()
+    if not force and (path == Path(path.anchor) or path == home or path in home.parents):
+        what = "the root directory" if path == Path(path.anchor) else (
+            "your home directory" if path == home else f"a folder holding your home directory ({home})")
+        raise UserError(f"agent --workdir {workdir}: is {what}; give the agent a project folder (or pass "
+                        f"--force-workdir to allow it)")
+    return path
+
+
 def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys.stdout, max_turns: int = 8,
               max_tokens: int = 256, timeout: float = 30.0, system: str | None = "",
-              approvals: Approvals | None = None) -> list[dict]:
+              approvals: Approvals | None = None, force_workdir: bool = False) -> list[dict]:
     """Work on ``task`` until the model answers without a tool call or ``max_turns`` turns pass; returns
-    the conversation. ``system``: "" for the standard instructions (naming ``workdir``), None for none."""
+    the conversation. ``system``: "" for the standard instructions (naming ``workdir``), None for none.
+    ``force_workdir``: allow ``/`` or the home directory (``check_workdir``)."""
+    check_workdir(workdir, force_workdir)
     sandbox = Sandbox(workdir, timeout=timeout)
     approvals = approvals or Approvals(workdir)
     messages = [system_message(str(sandbox.workdir))] if system == "" else (
         [{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": task})
-    out.write(f"[sandbox: {sandbox.isolation}; working directory {sandbox.workdir}]\n")
+    out.write(f"[sandbox: {sandbox.isolation}, as {sandbox.runs_as}; working directory {sandbox.workdir}]\n")
     for _ in range(max_turns):
         reply = []
         out.write("agent: ")

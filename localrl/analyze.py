@@ -34,7 +34,8 @@ MIN_POINTS = 5  # four parameters: fewer steps than this cannot pin a curve down
 
 def sigmoid_curve(c: np.ndarray, r0: float, a: float, b: float, c_mid: float) -> np.ndarray:
     """R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), for compute C > 0."""
-    return r0 + (a - r0) / (1.0 + (c_mid / np.asarray(c, dtype=float)) ** b)
+    with np.errstate(over="ignore"):  # (C_mid / C)^B overflowing to inf is the curve's limit R0: exact
+        return r0 + (a - r0) / (1.0 + (c_mid / np.asarray(c, dtype=float)) ** b)
 
 
 @dataclass
@@ -52,7 +53,8 @@ class Fit:
 def _linear_part(c: np.ndarray, y: np.ndarray, b: np.ndarray, c_mid: np.ndarray):
     """For arrays of (B, C_mid) [K]: the least-squares (R0, A) of each and its sum of squared residuals.
     y = R0 (1 - s) + A s with s = 1 / (1 + (C_mid / C)^B)."""
-    s = 1.0 / (1.0 + (c_mid[:, None] / c[None, :]) ** b[:, None])  # [K, N]
+    with np.errstate(over="ignore"):  # far from C_mid the power overflows to inf and s is 0, as it should be
+        s = 1.0 / (1.0 + (c_mid[:, None] / c[None, :]) ** b[:, None])  # [K, N]
     u = 1.0 - s
     # normal equations of the two-column design [u, s], solved in closed form per row
     suu, sss, sus = (u * u).sum(1), (s * s).sum(1), (u * s).sum(1)

@@ -4,7 +4,7 @@
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--experience RUN] [--reliability F.png]
     localrl models build NAME | localrl models list
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
-    localrl serve FILE.gguf [--host H] [--port P] [--api-key K] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
+    localrl serve FILE.gguf [--host H] [--port P] [--api-key-file F] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from localrl.config import FIELDS, build_config, fields_help, split_overrides
-from localrl.errors import UserError
+from localrl.errors import UserError, out_of_space
 
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
@@ -350,9 +350,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from localrl.serve import serve
+    from localrl.serve import api_key_from, serve
 
-    serve(args.gguf, args.host, args.port, args.api_key, args.n_ctx)
+    key = api_key_from(args.api_key, args.api_key_file)
+    if args.api_key is not None:
+        print("localrl: warning: --api-key is visible to other users in the process list; prefer --api-key-file "
+              "PATH or the LOCALRL_API_KEY environment variable", file=sys.stderr)
+    serve(args.gguf, args.host, args.port, key, args.n_ctx, max_body_bytes=args.max_body_bytes,
+          cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), insecure=args.insecure)
     return 0
 
 
@@ -377,11 +382,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from localrl.agent_session import agent_system, run_agent, terminal_ask
+    from localrl.agent_session import agent_system, check_workdir, run_agent, terminal_ask
     from localrl.chat import open_chat_model
 
-    if not Path(args.workdir).is_dir():
-        raise UserError(f"agent --workdir {args.workdir}: not a directory")
+    check_workdir(args.workdir, args.force_workdir)
     if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
         raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
     system = agent_system(args.system, args.source)
@@ -389,7 +393,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     model = open_chat_model(args.source, args.n_ctx)
     try:
         run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
-                  timeout=args.timeout, system=system)
+                  timeout=args.timeout, system=system, force_workdir=args.force_workdir)
     finally:
         model.close()
     return 0
@@ -406,8 +410,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from localrl.analyze import analyze_run, describe, plot_curves
 
-    if args.samples < 10:
-        raise UserError(f"analyze: --samples must be at least 10 (got {args.samples})")
+    if not 10 <= args.samples <= 100_000:
+        raise UserError(f"analyze: --samples must be at {'least 10' if args.samples < 10 else 'most 100,000'} "
+                        f"(got {args.samples})")
+    _check_png_path(args.out, "analyze --out")  # before the fits, not after them
     curves = [analyze_run(run, args.metric, args.compute, args.samples) for run in args.runs]
     for curve in curves:
         print(describe(curve, args.metric, args.compute))
@@ -494,9 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve a GGUF over an OpenAI-compatible HTTP API (llama-cpp-python)")
     p.add_argument("gguf", help="model file (.gguf)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other "
+                   "needs an API key or --insecure)")
     p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (default 8000)")
-    p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--api-key", default=None, help="require this bearer token (other users see it in the process "
+                   "list: prefer --api-key-file or the LOCALRL_API_KEY environment variable)")
+    p.add_argument("--api-key-file", metavar="PATH", default=None, help="require the bearer token in this file")
+    p.add_argument("--insecure", action="store_true", help="serve a --host other than loopback without an API key")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME", help="also answer requests whose "
+                   "Host header is NAME (repeatable; default: the --host address, and localhost for loopback)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", help="let web pages from ORIGIN, "
+                   "e.g. http://localhost:3000, call the server (repeatable; default: no web page may)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default 4 MiB)")
     p.add_argument("--n-ctx", type=int, default=0, help="context length (default 0: the model's training context)")
     p.set_defaults(func=cmd_serve)
 
@@ -533,7 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "each command")
     p.add_argument("source", help="model file (.gguf), run directory, model directory or built-in name")
     p.add_argument("task", help="what to do, in words")
-    p.add_argument("--workdir", default=".", help="the directory it works in (default: here)")
+    p.add_argument("--workdir", default=".", help="the directory it works in (default: here; not / or your home "
+                   "directory)")
+    p.add_argument("--force-workdir", action="store_true", help="allow / or your home directory as --workdir")
     p.add_argument("--max-turns", type=int, default=8, help="model turns before it must stop")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a command may run")
@@ -636,6 +653,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(e, "shared", False):  # torchrun stops the others when one exits: rank 0 has said it first
             sys.stderr.flush()
             sys.modules["localrl.distributed"].world().barrier()
+        return 2
+    except OSError as e:
+        if not out_of_space(e):
+            raise
+        # a full disk (export, a sample file, a plot): what was being written was a temporary, now removed
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"localrl: error: no space left on the device{where}; nothing half-written was left", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("localrl: interrupted", file=sys.stderr)

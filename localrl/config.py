@@ -213,6 +213,8 @@ class TrainConfig:
             ("calibration_weight", self.calibration_weight >= 0, "must be non-negative (0: off)"),
             ("calibration_weight", not (self.calibration_weight and self.env), "is for single-turn tasks (not env)"),
             ("markovian_chunk", self.markovian_chunk >= 0, "must be non-negative (0: off)"),
+            ("markovian_carry", self.markovian_carry == 0 or self.markovian_chunk > 0,
+             "needs markovian_chunk (Markovian thinking is off while markovian_chunk is 0)"),
             ("markovian_carry", self.markovian_carry >= 0 and (self.markovian_chunk == 0 or
                                                                self.markovian_carry < self.markovian_chunk),
              f"must be non-negative and below markovian_chunk ({self.markovian_chunk})"),
@@ -281,6 +283,9 @@ class TrainConfig:
              "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
             ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),
             ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
+            *[(name, not self.env or getattr(self, name) == FIELDS[name].default,
+               "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",
+                                                                                                   "eval_data")],
             ("env_families", not _unknown(self.env_families, SHELL_FAMILIES),
              f"must be a comma-separated subset of {', '.join(SHELL_FAMILIES)}"),
             ("env_levels", not _unknown(self.env_levels, ("1", "2", "3")), "must be a comma-separated subset of 1, 2, 3"),
@@ -298,6 +303,11 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"config field {name}: must be a finite number (got {value!r})", field=name)
+            if name == "seed" and not 0 <= value <= MAX_SEED:
+                raise UserError(f"config field seed: must be from 0 to {MAX_SEED:,} (got {value})", field=name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
+                raise UserError(f"config field {name}: {value} is more than any run needs (at most {MAX_INT:,})",
+                                field=name)
         for name, ok, why in checks:
             if not ok:
                 raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})", field=name)
@@ -312,6 +322,8 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+MAX_INT = 10**9  # no count in a run (steps, tokens, tasks, ranks) comes near it; a typo's extra zeros do
+MAX_SEED = 2**32 - 1  # seeds are mixed with the step into 64-bit generator seeds
 
 
 def _unknown(listing: str, allowed: tuple[str, ...]) -> list[str]:
@@ -424,12 +436,28 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     """Field values from a TOML file (top level, or a [train] table), type-checked."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file {p}: not found")
+        raise UserError(f"config file {p}: " + ("is a directory" if p.is_dir() else "not found"))
     try:
-        raw = tomllib.loads(p.read_text())
+        data = p.read_bytes()
+    except OSError as e:
+        raise UserError(f"config file {p}: cannot be read ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some Windows editors write, is no mistake
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UserError(f"{p}:{line}: not UTF-8 text (byte {data[e.start]:#04x}); TOML files are UTF-8") from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"config file {p}: invalid TOML ({e})") from None
-    raw = raw.get("train", raw)
+    if "train" in raw:
+        if not isinstance(raw["train"], dict):
+            raise UserError(f"config file {p}: 'train' must be a [train] table of fields (got {raw['train']!r})")
+        others = [k for k in raw if k != "train"]
+        if others:  # which would win is a guess either way: one place for every field
+            raise UserError(f"config file {p}: has fields both at the top level ({', '.join(others)}) and in a "
+                            f"[train] table; put them all in one place")
+        raw = raw["train"]
     for old, (new, values) in LEGACY_FIELDS.items():
         if old in raw and new not in raw and raw[old] in values:
             raw[new] = values[raw.pop(old)]

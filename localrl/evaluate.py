@@ -74,6 +74,10 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
     return {**out, "samples": shown} if samples else out
 
 
+def _setting(cfg) -> str:
+    return f"in the {cfg.env} environment" if cfg.env else f"on single-turn prompts ({cfg.data})"
+
+
 def experience_of(run: str | Path | None, experience: str | Path | None = None):
     """The experience library to evaluate with: ``experience`` (a run directory, an experience.json or a
     .txt of lessons), else that of ``run`` when it is a training-free GRPO run, else None."""
@@ -99,6 +103,11 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     from localrl.tasks import load_task, system_prompt
 
     cfg.validate()
+    if run is not None:  # an adapter is evaluated on what it was trained for, or the number means nothing
+        trained = Run.open(run).read_config()
+        if trained.env != cfg.env:
+            raise UserError(f"eval {run}: the run was trained {_setting(trained)}; evaluating it {_setting(cfg)} "
+                            f"measures nothing it learned (leave --env as the run had it)", field="env")
     library = None
     if cfg.env and experience:
         raise UserError("eval --experience: an experience library is for single-turn tasks (not env)")

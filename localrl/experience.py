@@ -162,15 +162,30 @@ def load_library(source: str | Path) -> ExperienceLibrary:
     if not path.is_file():
         raise UserError(f"experience {source}: no {EXPERIENCE} there (a run trained with objective = experience "
                         f"writes one)" if path.name == EXPERIENCE else f"experience {source}: no such file")
+    text = _read_utf8(path)
     if path.suffix == ".txt":
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         library = ExperienceLibrary(capacity=max(len(lines), 1))
         library.apply([Edit("add", text=line) for line in lines])
         return library
     try:
-        return ExperienceLibrary.from_state(json.loads(path.read_text()))
+        return ExperienceLibrary.from_state(json.loads(text))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"experience {path}: not an experience library ({type(e).__name__}: {e})") from None
+
+
+def _read_utf8(path: Path) -> str:
+    """A library file's text; one line naming the file, line and byte when it is not UTF-8 or not readable."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"experience {path}: cannot be read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UserError(f"experience {path}:{line}: not UTF-8 text (byte {data[e.start]:#04x}); save the lessons "
+                        f"as UTF-8") from None
 
 
 def judge_request(question: str, answer: str, right: str, wrong: str, library: ExperienceLibrary) -> list[dict]:

@@ -137,7 +137,9 @@ def predict_peak(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
         prompt_act = prompt_tokens * s.layers * (per_token + b * kv_full)
         completion_act = rows_tokens * s.layers * per_token + kv_seq * s.layers * b * kv_full + mask
     prompt_kv = 2 * prompt_tokens * s.layers * b * kv  # the recorded keys/values and their gradients
-    logits = 3 * min(logits_chunk, rows_tokens) * s.vocab * 4  # logits, softmax and its gradient
+    # float32 [tokens, vocab] buffers alive at once in backward: the logits, their upcast, the softmax, its
+    # gradient and the logits' gradient (measured: 5, on a 150k-vocabulary model where they are the whole step)
+    logits = 5 * min(logits_chunk, rows_tokens) * s.vocab * 4
     parts = {"weights": weights, "optimizer": static - weights, "prompt": prompt_act + prompt_kv,
              "completion": completion_act, "logits": logits}
     return {k: int(v) for k, v in parts.items()}

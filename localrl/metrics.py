@@ -12,10 +12,12 @@ CLI's progress bar.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 from localrl.atomic import write_text_atomic
+from localrl.errors import UserError
 
 Listener = Callable[[dict], None]
 
@@ -30,10 +32,25 @@ class MetricsSink:
 
     def emit(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            self._append((json.dumps(record) + "\n").encode())
         for listener in self.listeners:
             listener(record)
+
+    def _append(self, line: bytes) -> None:
+        """One whole line or none: on a failed write (a full disk) the file is cut back to where it was."""
+        fd = self._file.fileno()
+        before = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, before)
+            except OSError:
+                pass
+            raise UserError(f"could not append to {self.path} ({e.strerror or e}); "
+                            f"its records up to the last step are intact") from None
 
     def write_to(self, path: Path, records: list[dict] | None = None) -> None:
         """Append every record from now on to ``path``; with ``records``, first replace what the
@@ -42,7 +59,7 @@ class MetricsSink:
         if records is not None:
             write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        self._file = path.open("ab", buffering=0)  # unbuffered: nothing left over to fail again at close
 
     def close(self) -> None:
         if self._file is not None:

@@ -36,7 +36,7 @@ import torch
 
 from localrl.atomic import atomic_dir, write_text_atomic
 from localrl.config import TrainConfig, build_config, to_toml
-from localrl.errors import UserError
+from localrl.errors import UserError, out_of_space
 from localrl.metrics import read_metrics
 
 CONFIG = "config.toml"
@@ -225,10 +225,18 @@ class Run:
         """Write checkpoint ``step`` (completed steps) atomically; keep the newest ``keep``. ``run_state``: what
         else the trainer carries from step to step (a synced KL reference, an adaptive coefficient)."""
         final = self.checkpoints_dir / f"step-{step:06d}"
-        with atomic_dir(final, fsync=True) as tmp:
-            model.save_pretrained(str(tmp))
-            torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(),
-                        "run_state": run_state or {}}, tmp / STATE_FILE)
+        try:
+            with atomic_dir(final, fsync=True) as tmp:
+                model.save_pretrained(str(tmp))
+                torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(),
+                            "run_state": run_state or {}}, tmp / STATE_FILE)
+        except Exception as e:  # noqa: BLE001 - a full disk is one line; anything else keeps its traceback
+            if not out_of_space(e):
+                raise
+            last = self.latest_checkpoint()
+            raise UserError(f"could not write checkpoint {final.name} in {self.checkpoints_dir} "
+                            f"({_first_line(e)}; {_free_space(self.path)}); the last good checkpoint is "
+                            f"{last or 'none yet'}, and nothing half-written was left") from None
         for old in self.checkpoints()[:-keep]:
             # rename first: a kill mid-delete leaves a .old-* leftover, never a step-* without its files
             _remove(old)
@@ -422,6 +430,13 @@ def _remove(path: Path) -> None:
         shutil.rmtree(target, ignore_errors=True)
     else:
         target.unlink(missing_ok=True)
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MB free there"
+    except OSError:
+        return "free space unknown"
 
 
 def _first_line(e: Exception) -> str:

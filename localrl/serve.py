@@ -1,7 +1,8 @@
 """Serve a GGUF over an OpenAI-compatible HTTP API through llama-cpp-python.
 
 It runs llama-cpp-python's own server (FastAPI + uvicorn), loopback only unless ``--host`` says
-otherwise, with an optional API key (``Authorization: Bearer KEY``; the scheme in any case). Routes:
+otherwise, with an optional API key (``Authorization: Bearer KEY``; the scheme in any case; from ``--api-key-file``,
+$LOCALRL_API_KEY or ``--api-key``). Routes:
 
 - ``POST /v1/chat/completions`` (streaming and not), formatted by the chat template stored in the
   GGUF, the one localrl's export writes from the tokenizer (it takes text content, not content parts);
@@ -9,16 +10,24 @@ otherwise, with an optional API key (``Authorization: Bearer KEY``; the scheme i
   one prompt per request;
 - ``GET /v1/models``; ``POST /extras/tokenize``, ``/extras/tokenize/count`` and ``/extras/detokenize``;
 - ``POST /v1/embeddings`` is refused with a 404 JSON error: the model is loaded for generation, not embeddings;
-- FastAPI's ``/docs`` and ``/openapi.json`` describe llama-cpp-python's API, refused route included.
+- FastAPI's ``/docs`` and ``/openapi.json`` describe llama-cpp-python's API, refused route included (with a key set,
+  they need it too).
 
 Checked before the model loads, each a one-line UserError: ``--port`` (1-65535), ``--n-ctx`` (0, the
-default, is the context the GGUF says the model was trained for, else 2048), the GGUF header, and that
-the port is free (the socket bound then is the one served on).
+default, is the context the GGUF says the model was trained for, else 2048), that a ``--host`` other than
+loopback has a key (or ``--insecure``, which warns), the GGUF header, and that the port is free (the socket
+bound then is the one served on).
+
+Checked per request before anything reads its body (the Gate, which says why): the Host header (403), the
+key (401, whatever the body), the body's size (413; 4 MiB unless ``--max-body-bytes``) and its JSON nesting
+(400). No CORS headers, so no web page can use the server, unless ``--cors-origin`` names the page's origin;
+llama-cpp-python's own CORS, which lets every origin in, is taken out.
 
 Checked per request before llama-cpp-python sees it, each a 400 JSON error: the body (JSON, sent with a
 JSON Content-Type) against the server's own request models, and what llama.cpp would crash on or silently
 ignore: an unparsable grammar, token ids outside the vocabulary, several prompts, an empty prompt the model
-cannot start from. A prompt longer than the context gets a 400 ``context_length_exceeded``, streamed or not.
+cannot start from, ``n`` or ``best_of`` other than 1, ``max_tokens`` outside 1 to the context. A prompt longer
+than the context gets a 400 ``context_length_exceeded``, streamed or not.
 
 No response carries a traceback or a file path: any other failure is a JSON 500
 ``{"error": {"message": "internal error: ...", "type": "server_error"}}``; the details go to the server's log.
@@ -28,12 +37,18 @@ from __future__ import annotations
 
 import email.message
 import errno
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import re
 import socket
+import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
 
 from localrl.agent import parse_calls, without_tool_calls
 from localrl.errors import UserError
@@ -46,6 +61,10 @@ if TYPE_CHECKING:
 DEFAULT_N_CTX = 2048  # for a GGUF that does not say which context it was trained for
 CHAT = "/v1/chat/completions"
 COMPLETIONS = ("/v1/completions", "/v1/engines/copilot-codex/completions")
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a request's body; a whole 32k-token chat is some 200 KB of JSON
+MAX_JSON_DEPTH = 64  # arrays and objects within each other in a request; a tool's JSON schema needs a dozen
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})  # the Host names of a loopback server
+API_KEY_ENV = "LOCALRL_API_KEY"
 REFUSED = {"/v1/embeddings": "embeddings are not served by this model (it is loaded for text generation only)"}
 
 _CONTEXT_EXCEEDED = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
@@ -191,14 +210,19 @@ def _checked_error(status: int, body: bytes) -> dict | None:
     return _error(_one_line(message))
 
 
-async def _read_body(receive) -> bytes:
-    """A request's whole body (a middleware that reads it hands it on with ``_replayer``)."""
-    body, more = b"", True
+async def _read_body(receive, limit: int | None = None) -> bytes | None:
+    """A request's whole body (a middleware that reads it hands it on with ``_replayer``), or None as soon as it
+    passes ``limit`` bytes: the rest is left unread."""
+    chunks, size, more = [], 0, True
     while more:
         message = await receive()
-        body += message.get("body", b"")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None
+        chunks.append(chunk)  # joined once at the end: adding each chunk to the body copies it all again
         more = message.get("more_body", False)
-    return body
+    return b"".join(chunks)
 
 
 def _replayer(body: bytes, receive):
@@ -213,6 +237,154 @@ def _replayer(body: bytes, receive):
         return await receive()
 
     return replay
+
+
+def _header(scope, name: bytes) -> str | None:
+    """A request header's value (the first, if it is sent twice), or None."""
+    value = next((v for k, v in scope.get("headers") or [] if k.lower() == name), None)
+    return None if value is None else value.decode("latin-1")
+
+
+_BRACKETS = np.isin(np.arange(256), list(b"[]{}"))  # [256]: whether a byte is a bracket
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply a JSON text nests arrays and objects (brackets inside strings do not count), found without
+    recursion: Python's parser recurses once a level, so 100,000 ``[`` raise a RecursionError in it. Vectorised:
+    a quote is escaped when an odd run of backslashes ends right before it, a bracket is in a string when an odd
+    number of unescaped quotes comes before it."""
+    text = np.frombuffer(body, np.uint8)
+    quotes, slashes = np.flatnonzero(text == ord('"')), np.flatnonzero(text == ord("\\"))  # [positions]
+    if len(quotes) and len(slashes):
+        new_run = np.ones(len(slashes), bool)
+        new_run[1:] = slashes[1:] != slashes[:-1] + 1
+        starts, ends = slashes[new_run], slashes[np.append(new_run[1:], True)]  # [backslash runs]
+        run = np.minimum(np.searchsorted(ends, quotes - 1), len(ends) - 1)  # the run that may end before each quote
+        quotes = quotes[~((ends[run] == quotes - 1) & ((quotes - starts[run]) % 2 == 1))]
+    brackets = np.flatnonzero(_BRACKETS[text])
+    if len(quotes):
+        brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # outside strings
+    steps = np.where(text[brackets] & 2, 1, -1)  # +1 opens, -1 closes: of the four, only "[" and "{" have bit 2 set
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def _nests_deeper(body: bytes, limit: int) -> bool:
+    if body.count(b"[") + body.count(b"{") <= limit:  # it cannot: the usual request is done here
+        return False
+    return json_depth(body) > limit
+
+
+class Gate:
+    """ASGI middleware, the first to see a request: what the request must pass before any part of the server reads
+    its body. In order:
+
+    - its Host header names this server (else a 403): a web page that a DNS rebinding points at this address sends
+      its own domain name. Served: the ``--host`` address, ``localhost``, ``127.0.0.1`` and ``[::1]`` for a loopback
+      or wildcard bind, any IP address for a wildcard bind (a page sends one only when it came from this server),
+      and the ``--allowed-host`` names;
+    - the CORS headers and preflight answers of the ``--cors-origin`` origins, and for no other origin (by default
+      none: no web page may read the server's answers or send it JSON);
+    - the API key (else a 401, the body unread);
+    - a body of at most ``max_body`` bytes (else a 413: at once for a Content-Length over it, and a chunked body is
+      cut off as it passes the limit; the rest is never read into memory);
+    - JSON nested at most MAX_JSON_DEPTH deep (else a 400, before any parser recurses into it).
+
+    The body, read once and whole, is handed on to the app.
+    """
+
+    def __init__(self, app, hosts: frozenset[str], any_address: bool, api_key: str | None,
+                 max_body: int = MAX_BODY_BYTES, cors_origins: tuple[str, ...] = ()) -> None:
+        self.app, self.hosts, self.any_address, self.api_key, self.max_body = app, hosts, any_address, api_key, max_body
+        self.admit = self._admit
+        if cors_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            self.admit = CORSMiddleware(self._admit, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                        allow_headers=["Authorization", "Content-Type"])
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = _header(scope, b"host")  # (HTTP/1.0 may leave it out; a browser never does)
+        if host is not None and not self.host_allowed(host):
+            name = _host_name(host)
+            return await _send_json(send, 403, _error(
+                f"Host {name!r} is not served here (start the server with --allowed-host {name} to serve it)",
+                code="host_not_allowed"))
+        await self.admit(scope, receive, send)
+
+    def host_allowed(self, header: str) -> bool:
+        name = _host_name(header)
+        return name in self.hosts or (self.any_address and _address(name) is not None)
+
+    def authorized(self, scope) -> bool:
+        """Whether the request carries the key: ``Authorization: Bearer KEY``, the scheme in any case (RFC 7235)."""
+        if not self.api_key:
+            return True
+        scheme, _, credentials = (_header(scope, b"authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode("latin-1"),
+                                                                  self.api_key.encode("latin-1", "replace"))
+
+    async def _admit(self, scope, receive, send) -> None:
+        if not self.authorized(scope):
+            return await _send_json(send, 401, _error("invalid API key (send Authorization: Bearer KEY)",
+                                                      code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body:
+            return await self._too_large(send)
+        body = await _read_body(receive, self.max_body)
+        if body is None:
+            return await self._too_large(send)
+        if _nests_deeper(body, MAX_JSON_DEPTH):
+            return await _send_json(send, 400, _error(f"body: JSON nested more than {MAX_JSON_DEPTH} levels deep",
+                                                      param="body"))
+        await self.app(scope, _replayer(body, receive), send)
+
+    async def _too_large(self, send) -> None:
+        # what the client still sends uvicorn reads and drops (it keeps nothing), so a client that sends the whole
+        # body before it reads the answer gets the 413; uvicorn closes the connection instead if the request said
+        # "Connection: close"
+        message = f"body: over the server's limit of {self.max_body} bytes (its --max-body-bytes)"
+        await _send_json(send, 413, _error(message, param="body", code="request_too_large"))
+
+
+def _host_name(header: str) -> str:
+    """The host in a Host header: lower case, without the port, an IPv6 address without its brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name = header[1:header.find("]")] if "]" in header else header
+    else:
+        name = header.rpartition(":")[0] if ":" in header else header
+    return name.rstrip(".")
+
+
+def _address(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``name`` as an IP address (an IPv6 one with or without brackets), or None if it is not one."""
+    try:
+        return ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every address: ``0.0.0.0``, ``::``."""
+    address = _address(host)
+    return host in ("", "*") or (address is not None and address.is_unspecified)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` listens on this machine only."""
+    address = _address(host)
+    return host.lower() == "localhost" or (address is not None and address.is_loopback)
+
+
+def served_hosts(host: str, allowed: tuple[str, ...] = ()) -> tuple[frozenset[str], bool]:
+    """The names a Host header may give to a server bound to ``host``, and whether any IP address is one too."""
+    names = {_host_name(f"[{host.strip('[]')}]" if ":" in host else host), *(_host_name(a) for a in allowed)}
+    wildcard = _is_wildcard(host)
+    if wildcard or is_loopback(host):
+        names |= LOOPBACK_NAMES
+    return frozenset(names), wildcard
 
 
 class ToolCalls:
@@ -387,28 +559,20 @@ class ValidateRequests:
     detokenize, a grammar that does not parse) or silently ignore (logit_bias for such a token id).
     """
 
-    def __init__(self, app, api_key: str | None, llama: Llama | None = None, alias: str = "model") -> None:
+    def __init__(self, app, llama: Llama | None = None, alias: str = "model", n_ctx: int = DEFAULT_N_CTX) -> None:
         from llama_cpp.server.types import (CreateChatCompletionRequest, CreateCompletionRequest,
                                             DetokenizeInputRequest, TokenizeInputRequest)
 
-        self.app, self.api_key, self.llama, self.alias = app, api_key, llama, alias
+        self.app, self.llama, self.alias, self.n_ctx = app, llama, alias, n_ctx
         self.models = {CHAT: CreateChatCompletionRequest, **{p: CreateCompletionRequest for p in COMPLETIONS},
                        "/extras/tokenize": TokenizeInputRequest, "/extras/tokenize/count": TokenizeInputRequest,
                        "/extras/detokenize": DetokenizeInputRequest}
         # a model whose tokenizer adds no BOS has nothing to evaluate for an empty prompt (an assertion fails)
         self.empty_prompt_ok = llama is None or bool(llama.tokenize(b""))
 
-    def authorized(self, scope) -> bool:
-        """Whether the app's own check (FastAPI's HTTPBearer) passes: the scheme is case-insensitive (RFC 7235)."""
-        if not self.api_key:
-            return True
-        value = next((v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"), b"")
-        scheme, _, credentials = value.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and credentials.strip() == self.api_key
-
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.authorized(scope):
-            return await self.app(scope, receive, send)  # not ours to check, or the app's 401
+        if scope["type"] != "http":  # (the Gate has checked the key)
+            return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if path in REFUSED:
             return await _send_json(send, 404, _error(REFUSED[path], code="not_served"))
@@ -431,9 +595,9 @@ class ValidateRequests:
     @staticmethod
     def json_content_type(scope) -> bool:
         """Whether FastAPI will read the body as JSON: its Content-Type is application/json or application/*+json."""
-        value = next((v for k, v in scope.get("headers") or [] if k.lower() == b"content-type"), b"")
+        value = _header(scope, b"content-type") or ""
         message = email.message.Message()
-        message["content-type"] = value.decode("latin-1")
+        message["content-type"] = value
         subtype = message.get_content_subtype()
         return bool(value) and message.get_content_maintype() == "application" and (subtype == "json" or
                                                                                    subtype.endswith("+json"))
@@ -456,6 +620,15 @@ class ValidateRequests:
             if not (prompt[0] if isinstance(prompt, list) and prompt else prompt) and not request.suffix \
                     and not self.empty_prompt_ok:
                 return "prompt", "must not be empty"
+            if request.best_of not in (None, 1):  # else ignored
+                return "best_of", f"must be 1: one completion is generated per request (got {request.best_of})"
+        if path == CHAT or path in COMPLETIONS:
+            if request.n not in (None, 1):  # else ignored: one choice comes back whatever n asks for
+                return "n", f"must be 1: one completion is generated per request (got {request.n})"
+            # 0 or less would be taken as "up to the end of the context", and more than the context cannot be
+            if request.max_tokens is not None and not 1 <= request.max_tokens <= self.n_ctx:
+                return "max_tokens", f"must be 1 to {self.n_ctx} (the context length) or left out " \
+                                     f"(got {request.max_tokens})"
         if self.llama is None:
             return None
         n_vocab = self.llama.n_vocab()
@@ -509,13 +682,63 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def api_key_from(key: str | None = None, key_file: str | Path | None = None,
+                 environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key to require: ``key``, else the contents of ``key_file``, else $LOCALRL_API_KEY, else None."""
+    if key is not None and key_file is not None:
+        raise UserError("serve: give --api-key or --api-key-file, not both")
+    where = "--api-key"
+    if key_file is not None:
+        where = f"--api-key-file {key_file}"
+        try:
+            key = Path(key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"serve {where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    elif key is None:
+        key, where = (os.environ if environ is None else environ).get(API_KEY_ENV) or None, API_KEY_ENV
+        if key is None:
+            return None
+    key = key.strip()
+    if not key or not key.isascii() or not key.isprintable() or " " in key:
+        raise UserError(f"serve {where}: the key must be one word of printable ASCII (got {len(key)} characters)")
+    return key
+
+
+def _cors_origin(origin: str) -> str:
+    """A --cors-origin as browsers send it in an Origin header, or a UserError."""
+    parts = urllib.parse.urlsplit(origin.rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment \
+            or "@" in parts.netloc:
+        raise UserError(f"serve --cors-origin {origin!r}: must be one origin, scheme://host[:port], such as "
+                        "http://localhost:3000")
+    return f"{parts.scheme}://{parts.netloc.lower()}"
+
+
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          n_ctx: int = 0, log: Callable[[str], Any] = print) -> None:
-    """Run the server until interrupted; ``n_ctx`` 0 is the context the model was trained for."""
+          n_ctx: int = 0, log: Callable[[str], Any] = print, *, max_body_bytes: int = MAX_BODY_BYTES,
+          cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (), insecure: bool = False) -> None:
+    """Run the server until interrupted; ``n_ctx`` 0 is the context the model was trained for.
+
+    A ``host`` other than loopback needs an ``api_key``, or ``insecure``. The Gate's docstring says what a request
+    must pass: ``max_body_bytes``, ``cors_origins`` and ``allowed_hosts`` (Host header names beyond the bound address).
+    """
     if not 1 <= port <= 65535:
         raise UserError(f"serve: --port must be 1-65535 (got {port})")
     if n_ctx < 0:
         raise UserError(f"serve: --n-ctx must be 0 (the model's training context) or more (got {n_ctx})")
+    if max_body_bytes < 1:
+        raise UserError(f"serve: --max-body-bytes must be at least 1 (got {max_body_bytes})")
+    cors_origins = tuple(_cors_origin(o) for o in cors_origins)
+    for name in allowed_hosts:
+        if not name.strip() or any(c in name for c in "/@ \t") or not _host_name(name):
+            raise UserError(f"serve --allowed-host {name!r}: must be a host name such as myhost.lan (no scheme or "
+                            "path)")
+    if not is_loopback(host):  # checked before anything binds
+        if not api_key and not insecure:
+            raise UserError(f"serve: --host {host} is reachable from other machines: require a key "
+                            f"(--api-key-file PATH or {API_KEY_ENV}), or serve it to anyone with --insecure")
+        if not api_key:
+            log(f"warning: serving on {host} with no API key (--insecure): anyone who can reach it can use the model")
     info = read_gguf_info(path)
     p, trained = info.path, info.context_length
     # beyond the training context a small model answers garbage with status 200; within it, llama.cpp's own
@@ -533,9 +756,11 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             app = server_app.create_app(server_settings=server, model_settings=[model])
         except ValueError as e:  # llama-cpp-python's "Failed to load model" / "Failed to create llama_context"
             raise UserError(f"serve: llama.cpp cannot load {p} with a {n_ctx}-token context ({e})") from None
+        _drop_cors(app)
         # the loaded model, for the checks that need its vocabulary (None if llama-cpp-python moves it)
         proxy = getattr(server_app, "_llama_proxy", None)
-        app = GuardErrors(ValidateRequests(ToolCalls(app), api_key, proxy() if proxy is not None else None, p.stem))
+        app = ValidateRequests(ToolCalls(app), proxy() if proxy is not None else None, p.stem, n_ctx)
+        app = GuardErrors(Gate(app, *served_hosts(host, allowed_hosts), api_key or None, max_body_bytes, cors_origins))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
         log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "
             "(OpenAI-compatible; Ctrl-C stops)")
@@ -548,3 +773,13 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             pass
     finally:
         sock.close()
+
+
+def _drop_cors(app) -> None:
+    """Take out the CORS middleware llama-cpp-python adds, which lets every origin in, credentials allowed: any web
+    page could then drive a server without a key. The Gate answers for the --cors-origin origins instead."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    if getattr(app, "middleware_stack", None) is not None:  # built: too late to change (Starlette builds it lazily)
+        raise RuntimeError("llama-cpp-python's app has built its middleware already: cannot take its CORS out")
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]

@@ -35,6 +35,8 @@ from localrl.agent_train import EnvSetup, agent_step, env_setup, evaluate_episod
 from localrl.budget import token_budget
 from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
+from localrl.envs.shell import probe_verifiers
+from localrl.envs.shell_tasks import load_tasks
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
@@ -203,6 +205,8 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
     """Preflight of an agent run: the tasks and sandbox, every held-out prompt against the context, and the
     memory of a step whose completions are whole trajectories (up to the context)."""
     env = env_setup(cfg)
+    if cfg.env_tasks and not cfg.env_tasks.endswith(".jsonl"):  # a file's checks are data, checked as it loads
+        probe_verifiers(cfg.env_tasks, load_tasks(cfg.env_tasks), env.isolation, cfg.env_timeout)
     fmt = TurnFormat(tok, env.system)
     longest = max((len(fmt.prompt_ids(t.instruction)) for t in env.held_out), default=0)
     if longest + cfg.max_new_tokens > context:

@@ -14,12 +14,13 @@ kept. Temporary files a killed export left are removed on the next export to tha
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrl.errors import UserError
+from localrl.errors import UserError, out_of_space
 from localrl.quant.gguf_check import CheckReport, check_gguf
 from localrl.quant.gguf_writer import (LLAMA_CPP_TYPES, check_architecture, llama_cpp_quantize, pre_tokenizer_guess,
                                        vocab_kind, write_gguf)
@@ -136,6 +137,11 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
             return ExportResult(None, what, report)
         modelfile = write_modelfile(out, tok, model.config.max_position_embeddings)  # first: a GGUF in place
         tmp.replace(out)                                                              # always has its Modelfile
+    except Exception as e:  # noqa: BLE001 - a full disk is one line; anything else keeps its traceback
+        if not out_of_space(e):
+            raise
+        raise UserError(f"export: no space left writing {out} ({shutil.disk_usage(out.parent).free / 2**20:.1f} MB "
+                        f"free there); nothing was left behind") from None
     finally:
         tmp.unlink(missing_ok=True)
     log(f"wrote {out} ({quant}, {out.stat().st_size / 2**20:.1f} MiB"

@@ -26,7 +26,7 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     """The header of the GGUF at ``path``; UserError if it is missing, not a GGUF, or truncated."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"model {p}: no such file")
+        raise UserError(f"model {p}: " + ("is a directory, not a .gguf file" if p.is_dir() else "no such file"))
     try:
         with p.open("rb") as f:
             magic = f.read(4)

@@ -160,3 +160,60 @@ def test_episodes_are_reproducible_from_the_generator_seed(policy):
     first = play(5)
     assert play(5) == first
     assert play(6)[0] != first[0]
+
+
+def test_the_loss_mask_of_real_episodes_covers_exactly_the_tokens_the_model_sampled(monkeypatch):
+    """The built-in agent plays shell tasks for a few turns; every turn is recorded where it is sampled. The
+    rollout's loss mask is 1 on exactly those tokens (end-of-turn tokens the model wrote included) and 0 on
+    everything the environment added: the closing it supplied, the tool output, the next turn's header."""
+    import localrl.agent_rollout as agent_rollout
+    from localrl.agent_rollout import MAX_OBSERVATION_TOKENS
+    from localrl.models import builtin_path
+    from localrl.modeling import load_base, load_tokenizer
+
+    path = str(builtin_path("tiny-shell"))
+    model, tok = load_base(path, False, pick_device("cpu")), load_tokenizer(path)
+    calls = []  # per sampling call: [(context, turn as the episode keeps it)], one per episode still playing
+    sample = agent_rollout.sample_groups
+
+    def recorded(model, contexts, group_size, *args, **kwargs):
+        r = sample(model, contexts, group_size, *args, **kwargs)
+        calls.append([(list(contexts[i // group_size]), cut_at_tool_call(tok, ids[m.bool()].tolist()))
+                      for i, (ids, m) in enumerate(zip(r.completion_ids, r.completion_mask))])
+        return r
+
+    monkeypatch.setattr(agent_rollout, "sample_groups", recorded)
+    tasks = [generate(s) for s in range(3)]
+    out = run_episodes(model, tok, lambda: ShellEnv(task_list(tasks), max_turns=3), [0, 1, 2], 2, 32,
+                       stop_token_ids(tok, model), 1.0, torch.Generator().manual_seed(0))
+    r = out.rollout
+    environment_tokens = 0
+    for i, e in enumerate(out.episodes):
+        prompt = r.prompt_ids[e.prompt][r.prompt_mask[e.prompt].bool()].tolist()
+        tokens = r.completion_ids[i][r.completion_mask[i].bool()].tolist()
+        assert tokens == e.tokens
+        # the k-th sampling call played one turn of every episode with more than k turns, in episode order
+        turns = [call[[j for j, other in enumerate(out.episodes) if len(other.texts) > k].index(i)]
+                 for k, call in enumerate(calls) if len(e.texts) > k]
+        want = [0] * len(tokens)
+        for context, turn in turns:
+            start = len(context) - len(prompt)
+            assert context == prompt + tokens[:start] and tokens[start:start + len(turn)] == turn
+            want[start:start + len(turn)] = [1] * len(turn)
+        assert r.loss_mask[i].tolist() == want + [0] * (r.loss_mask.size(1) - len(tokens)), i
+        assert r.trained_mask[i].tolist() == r.loss_mask[i].tolist()
+        # what is left is the environment's: one stretch after each turn but the last, holding its tool output
+        stretches, k = [], 0
+        while k < len(want):
+            end = k
+            while end < len(want) and want[end] == want[k]:
+                end += 1
+            if want[k] == 0:
+                stretches.append(tok.decode(tokens[k:end]))
+            k = end
+        assert len(stretches) == len(e.observations) == len(turns) - 1
+        for text, observation in zip(stretches, e.observations):
+            if len(tok(observation, add_special_tokens=False)["input_ids"]) <= MAX_OBSERVATION_TOKENS:
+                assert observation in text
+        environment_tokens += want.count(0)
+    assert environment_tokens > 0 and sum(len(e.observations) for e in out.episodes) >= 3

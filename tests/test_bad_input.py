@@ -414,3 +414,345 @@ def test_a_damaged_base_record_stops_the_resume(trained_run, tmp_path):
     with pytest.raises(UserError, match="base.json is damaged"):
         train(resume_config(run, {"steps": 4}), resume=True, **QUIET)
     assert (run / "base.json").read_text() == "{"
+
+
+# -- the third audit: a user's shell tasks, modules, libraries, config files, flags that did nothing --------
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != "__pycache__")
+
+
+TASK_LINES = [
+    ({"instruction": "x", "check": ["answer"]}, 'check: must be an object with some of answer, files, absent, dirs '
+                                                '(got ["answer"])'),
+    ({"instruction": "x", "check": "b.txt"}, 'check: must be an object with some of answer, files, absent, dirs '
+                                             '(got "b.txt")'),
+    ({"instruction": "x", "check": {"files": ["a.txt"]}}, 'check.files: must be an object mapping relative paths'),
+    ({"instruction": "x", "check": {"files": {"a.txt": 1}}}, "check.files: the content of 'a.txt' must be a string "
+                                                             "(got 1)"),
+    ({"instruction": "x", "check": {"answer": 1}, "level": "2"}, 'level: must be a whole number, 0 or more (got "2")'),
+    ({"instruction": "x", "check": {"answer": 1}, "level": 1.5}, "level: must be a whole number"),
+    ({"instruction": "x", "check": {"absent": ["b.txt"]}, "solution": "rm b.txt"},
+     'solution: must be a list of shell commands, each a non-empty string (got "rm b.txt")'),
+    ({"instruction": "x", "check": {"answer": 1}, "solution": {"cmd": "ls"}}, "solution: must be a list"),
+    ({"instruction": "x", "files": {"a": "1", "a/b": "2"}, "check": {"answer": 1}},
+     "files: 'a' is a file, so 'a/b' cannot be inside it"),
+    ({"instruction": "x", "files": {"a": "1", "a/": ""}, "check": {"answer": 1}}, "files: 'a' and 'a/' are the same"),
+    ({"instruction": "x", "files": {"b.txt": "1"}, "check": {"absent": "b.txt"}},
+     'check.absent: must be a list of relative paths (got "b.txt")'),
+    ({"instruction": "x", "check": {"dirs": "out"}}, "check.dirs: must be a list of relative paths"),
+    ({"instruction": "x", "check": {"answer": None, "files": {}}}, None),  # valid: a check that always scores 0
+]
+
+
+@pytest.mark.parametrize("row, message", TASK_LINES, ids=[m or "valid" for _, m in TASK_LINES])
+def test_bad_env_task_lines_are_one_line_naming_file_line_and_field(audit_dir, capsys, row, message):
+    (audit_dir / "tasks.jsonl").write_text(json.dumps({"instruction": "ok", "check": {"answer": 1}}) + "\n"
+                                           + json.dumps(row) + "\n")
+    before = _listing(audit_dir)
+    if message is None:
+        from localrl.envs.shell_tasks import load_tasks
+
+        assert len(load_tasks("tasks.jsonl")) == 2
+        return
+    for command in ("train", "sft"):
+        line = one_line(capsys, command, "--env", "shell", "--env-tasks", "tasks.jsonl", "--run-dir", "run")
+        assert f"tasks.jsonl:2: {message}" in line
+    assert _listing(audit_dir) == before
+
+
+USER_MODULES = {
+    "syntax_bad": "def tasks(:\n    pass\n",
+    "import_boom": "x = 1\nraise RuntimeError('configured wrong at import')\n",
+    "import_exit": "import sys\nsys.exit(3)\n",
+    "import_missing_dep": "import no_such_dependency_xyz\n",
+    "task_fns": ("def boom():\n    raise ValueError('no tasks today')\n"
+                 "def number():\n    return 5\n"
+                 "def empty():\n    return []\n"
+                 "def words():\n    return ['a task']\n"),
+}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("syntax_bad:tasks", "tasks 'syntax_bad:tasks': importing syntax_bad failed: SyntaxError: "),
+    ("import_boom:tasks", "importing import_boom failed: RuntimeError: configured wrong at import ("),
+    ("import_exit:tasks", "importing import_exit failed: SystemExit: 3"),
+    ("import_missing_dep:tasks", "cannot import it (No module named 'no_such_dependency_xyz')"),
+    ("task_fns:missing", "cannot import it (module 'task_fns' has no attribute 'missing')"),
+    ("task_fns:boom", "tasks task_fns:boom: calling boom() failed: ValueError: no tasks today ("),
+    ("task_fns:number", "tasks task_fns:number: calling number() failed: TypeError: 'int' object is not iterable"),
+    ("task_fns:empty", "must return a non-empty list of localrl.envs.shell_tasks.ShellTask"),
+    ("task_fns:words", "must return a non-empty list of localrl.envs.shell_tasks.ShellTask"),
+])
+def test_a_users_broken_task_module_is_one_line(audit_dir, capsys, monkeypatch, spec, message):
+    for name, source in USER_MODULES.items():
+        (audit_dir / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(audit_dir))
+    before = _listing(audit_dir)
+    line = one_line(capsys, "train", "--env", "shell", "--env-tasks", spec, "--run-dir", "run")
+    assert message in line
+    if "SyntaxError" in message:
+        assert "syntax_bad.py:1)" in line
+    assert _listing(audit_dir) == before
+
+
+@pytest.mark.parametrize("module, message", [
+    ("syntax_bad", "reward 'syntax_bad:f': importing syntax_bad failed: SyntaxError: "),
+    ("import_boom", "reward 'import_boom:f': importing import_boom failed: RuntimeError: configured wrong at import"),
+    ("import_exit", "importing import_exit failed: SystemExit: 3"),
+])
+def test_a_users_broken_reward_module_is_one_line(audit_dir, capsys, monkeypatch, module, message):
+    (audit_dir / f"{module}.py").write_text(USER_MODULES[module])
+    monkeypatch.syspath_prepend(str(audit_dir))
+    before = _listing(audit_dir)
+    assert message in one_line(capsys, "train", "--reward", f"{module}:f", "--run-dir", "run")
+    assert _listing(audit_dir) == before
+
+
+VERIFIERS = '''
+import math, time
+from localrl.envs.shell_tasks import Check, ShellTask
+
+def _task(check, solution=("echo hi > out.txt",)):
+    return [ShellTask("Write hi into out.txt.", {"a.txt": "1\\n"}, check, solution=solution)]
+
+def raises():
+    return _task(lambda root, text: (root / "missing.txt").read_text())
+def nan():
+    return _task(lambda root, text: math.nan)
+def words():
+    return _task(lambda root, text: "good", solution=())
+def sleeps():
+    return _task(lambda root, text: time.sleep(60))
+def fine():
+    return _task(lambda root, text: float((root / "out.txt").read_text().strip() == "hi"))
+def bad_check():
+    return _task(Check(files={"out.txt": 5}))
+'''
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", "task 1 ('Write hi into out.txt.'): its verifier, on the end state of its expert solution, failed: "
+               "FileNotFoundError: "),
+    ("nan", "its verifier, on the end state of its expert solution, returned nan: a score must be a finite number"),
+    ("words", "its verifier, on the unchanged starting files, returned 'good', not a number"),
+    ("sleeps", "its verifier, on the end state of its expert solution, did not return within 0.5 s"),
+    ("bad_check", "failed: AttributeError: 'int' object has no attribute 'rstrip'"),
+])
+def test_a_users_broken_verifier_stops_the_run_before_anything_is_written(audit_dir, capsys, monkeypatch, name,
+                                                                          message):
+    import localrl.envs.shell
+
+    (audit_dir / "verifiers.py").write_text(VERIFIERS)
+    monkeypatch.syspath_prepend(str(audit_dir))
+    monkeypatch.setattr(localrl.envs.shell, "VERIFIER_PROBE_SECONDS", 0.5)
+    before = _listing(audit_dir)
+    line = one_line(capsys, "train", "--env", "shell", "--env-tasks", f"verifiers:{name}", "--run-dir", "run")
+    assert f"tasks verifiers:{name}: " in line and message in line
+    assert _listing(audit_dir) == before
+
+
+def test_a_working_verifier_passes_the_preflight(audit_dir, monkeypatch):
+    from localrl.config import build_config
+    from localrl.trainer import preflight
+
+    (audit_dir / "verifiers.py").write_text(VERIFIERS)
+    monkeypatch.syspath_prepend(str(audit_dir))
+    pre = preflight(build_config(None, {"env": "shell", "env_tasks": "verifiers:fine", "run_dir": "run"}))
+    assert pre.env is not None and not (audit_dir / "run").exists()
+
+
+def test_an_experience_library_that_is_not_utf8_is_one_line(audit_dir, capsys):
+    (audit_dir / "lessons.txt").write_bytes(b"Check the units.\nCaf\xe9 lessons\n")
+    (audit_dir / "experience.json").write_bytes(b'{"lessons": {"1": "caf\xe9"}}')
+    assert "experience lessons.txt:2: not UTF-8 text (byte 0xe9)" in one_line(capsys, "chat", "tiny-arith",
+                                                                               "--experience", "lessons.txt")
+    assert "experience lessons.txt:2: not UTF-8 text" in one_line(capsys, "eval", "--experience", "lessons.txt",
+                                                                  "--eval-size", "2")
+    before = _listing(audit_dir)
+    line = one_line(capsys, "train", "--objective", "experience", "--experience-init", "experience.json",
+                    "--run-dir", "run")
+    assert "config field experience_init: experience experience.json:1: not UTF-8 text (byte 0xe9)" in line
+    assert _listing(audit_dir) == before
+
+
+def _fake_run(path: Path, steps: int = 8, **fields) -> Path:
+    """A run directory as training leaves it: its config and ``steps`` train records (no checkpoint), whose reward
+    jumps halfway (a curve whose fit overflows numpy's powers)."""
+    from localrl.config import TrainConfig, to_toml
+
+    path.mkdir()
+    (path / "config.toml").write_text(to_toml(TrainConfig(run_dir=str(path), steps=steps, **fields)))
+    records = [{"kind": "train", "step": s, "reward_mean": 0.1 if s <= steps // 2 else 0.9, "accuracy": 0.5,
+                "completions": 16, "completion_len": 20.0, "wall_time": float(s)} for s in range(1, steps + 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_analyze_checks_its_output_before_the_fit_and_fits_without_warnings(audit_dir, capsys, monkeypatch):
+    import warnings
+
+    import localrl.analyze
+
+    run = _fake_run(audit_dir / "run")
+    real_fit = localrl.analyze.fit_sigmoid
+
+    def no_fit(*a, **k):
+        raise AssertionError("fitted before the output was checked")
+
+    monkeypatch.setattr(localrl.analyze, "fit_sigmoid", no_fit)
+    assert "analyze --out missing/s.png: no such directory missing" in one_line(capsys, "analyze", run, "--out",
+                                                                                 "missing/s.png")
+    assert "analyze --out run: must be a .png file" in one_line(capsys, "analyze", run, "--out", "run")
+    assert "--samples must be at most 100,000 (got 10000000000)" in one_line(capsys, "analyze", run, "--samples",
+                                                                             "10000000000")
+    monkeypatch.setattr(localrl.analyze, "fit_sigmoid", real_fit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warnings included
+        code, err = run_cli(capsys, "analyze", run, "--out", "s.png", "--samples", "20")
+    assert code == 0 and err == [] and (audit_dir / "s.png").is_file()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"train = 5\n", "config file c.toml: 'train' must be a [train] table of fields (got 5)"),
+    (b"steps = 1\nrun_dir = \"caf\xe9\"\n", "c.toml:2: not UTF-8 text (byte 0xe9); TOML files are UTF-8"),
+    (b"steps = 1\n\n[train]\nlr = 0.01\n", "config file c.toml: has fields both at the top level (steps) and in a "
+                                          "[train] table; put them all in one place"),
+])
+def test_bad_config_files_are_one_line(audit_dir, capsys, content, message):
+    (audit_dir / "c.toml").write_bytes(content)
+    before = _listing(audit_dir)
+    assert message in one_line(capsys, "train", "--config", "c.toml")
+    assert _listing(audit_dir) == before
+
+
+def test_a_config_file_with_a_byte_order_mark_is_read(audit_dir):
+    from localrl.config import build_config
+
+    (audit_dir / "bom.toml").write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")
+    (audit_dir / "bom-top.toml").write_bytes(b"\xef\xbb\xbfsteps = 4\n")
+    assert build_config("bom.toml").steps == 3 and build_config("bom-top.toml").steps == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sft", "--data", "latin1.jsonl"], "config field data: is for single-turn prompts; an environment's tasks come "
+                                        "from env_tasks (got 'latin1.jsonl')"),
+    (["train", "--env", "shell", "--eval-data", "x.jsonl"], "config field eval_data: is for single-turn prompts"),
+    (["train", "--markovian-carry", "4"], "config field markovian_carry: needs markovian_chunk (Markovian thinking "
+                                          "is off while markovian_chunk is 0) (got 4)"),
+    (["train", "--markovian-chunk", "0", "--markovian-carry", "4"], "config field markovian_carry: needs"),
+    (["train", "--steps", "100000000000000000000"], "config field steps: 100000000000000000000 is more than any run "
+                                                    "needs (at most 1,000,000,000)"),
+    (["train", "--lora-rank", "10000000000"], "config field lora_rank: 10000000000 is more than any run needs"),
+    (["train", "--eval-size", "-99999999999"], "config field eval_size: must be non-negative"),
+    (["train", "--seed", "2" + "0" * 30], "config field seed: must be from 0 to 4,294,967,295 (got 2000"),
+    (["train", "--seed", "-1"], "config field seed: must be from 0 to 4,294,967,295 (got -1)"),
+])
+def test_settings_that_would_be_ignored_or_absurd_are_refused(audit_dir, capsys, args, message):
+    before = _listing(audit_dir)
+    assert message in one_line(capsys, *args, "--run-dir", "run")
+    assert _listing(audit_dir) == before
+
+
+def test_eval_of_a_run_in_another_setting_is_refused(audit_dir, capsys):
+    run = _fake_run(audit_dir / "arith-run")
+    line = one_line(capsys, "eval", run, "--env", "shell")
+    assert ("the run was trained on single-turn prompts (arith); evaluating it in the shell environment measures "
+            "nothing it learned") in line
+
+
+def test_serve_of_a_directory_says_it_is_one(audit_dir, capsys):
+    (audit_dir / "folder").mkdir()
+    assert "folder: is a directory, not a .gguf file" in one_line(capsys, "serve", "folder")
+
+
+def test_the_agent_refuses_root_and_the_home_directory(audit_dir, capsys, monkeypatch):
+    from localrl.agent_session import check_workdir
+
+    home = audit_dir / "home" / "me"
+    (home / "project").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    for workdir, what in [("/", "the root directory"), (home, "your home directory"),
+                          (audit_dir / "home", f"a folder holding your home directory ({home})"), ("~", "your home")]:
+        line = one_line(capsys, "agent", "tiny-shell", "tidy up", "--workdir", workdir)
+        assert f"agent --workdir {workdir}: is {what}" in line and "--force-workdir" in line
+    assert check_workdir(home / "project") == (home / "project").resolve()
+    assert check_workdir("/", force=True) == Path("/")
+    assert "not a directory" in one_line(capsys, "agent", "tiny-shell", "x", "--workdir", "a-file")
+
+
+def test_past_the_first_tasks_verifiers_are_probed_on_the_starting_files(audit_dir, monkeypatch):
+    import localrl.envs.shell
+    from localrl.envs.shell_tasks import load_tasks
+
+    (audit_dir / "verifiers.py").write_text(VERIFIERS)
+    monkeypatch.syspath_prepend(str(audit_dir))
+    monkeypatch.setattr(localrl.envs.shell, "PROBE_SOLUTIONS", 0)
+    with pytest.raises(UserError, match=r"its verifier, on the unchanged starting files, failed: FileNotFoundError: "
+                                        r".* \(verifiers.py:9\)"):
+        localrl.envs.shell.probe_verifiers("verifiers:raises", load_tasks("verifiers:raises"), "process", 5.0)
+
+
+# -- a full disk: one line, the last good state named, nothing torn ------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MB file system (tmpfs) to fill up; mounting needs root (CI runs as root)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Fill ``disk`` until about ``leave`` bytes are free."""
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "ab") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_good_one(builtin_model, small_disk):
+    run_dir = small_disk / "run"
+
+    def fill_after_the_first_checkpoint(record):
+        if record.get("kind") == "checkpoint" and record["step"] == 1:
+            fill(small_disk, 64 * 1024)  # room for metrics lines, not for a checkpoint
+
+    with pytest.raises(UserError) as info:
+        train(small(run_dir, steps=2, save_every=1), listeners=[fill_after_the_first_checkpoint], **QUIET)
+    message = str(info.value)
+    assert "could not write checkpoint step-000002" in message and "step-000001" in message
+    assert "\n" not in message
+    run = Run(run_dir)
+    assert [p.name for p in run.checkpoints()] == ["step-000001"]
+    assert not [p for p in run.checkpoints_dir.iterdir() if p.name.startswith(".tmp-")]
+    (small_disk / "filler").unlink()
+    resumed = train(resume_config(run_dir, {"steps": 2}), resume=True, **QUIET)  # the last good one resumes
+    assert [r["step"] for r in train_records(resumed.run_dir)] == [1, 2]
+
+
+def test_a_full_disk_during_a_metrics_append_leaves_no_torn_line(small_disk):
+    from localrl.metrics import MetricsSink, read_metrics
+
+    path = small_disk / "metrics.jsonl"
+    sink = MetricsSink(path)
+    sink.emit({"kind": "train", "step": 1})
+    fill(small_disk, 0)
+    with pytest.raises(UserError, match="could not append to .*metrics.jsonl"):
+        sink.emit({"kind": "train", "step": 2, "text": "x" * 100_000})
+    sink.close()  # nothing buffered is left to fail a second time
+    assert path.read_text() == '{"kind": "train", "step": 1}\n'
+    assert read_metrics(path) == [{"kind": "train", "step": 1}]
+
+
+def test_a_full_disk_during_export_is_one_line(builtin_model, small_disk, capsys):
+    fill(small_disk, 256 * 1024)
+    line = one_line(capsys, "export", builtin_model, "--out", small_disk / "tiny.gguf", "--quant", "f16", "--no-check")
+    assert "no space left writing" in line and "nothing was left behind" in line
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no temporary left behind

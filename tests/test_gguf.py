@@ -38,7 +38,9 @@ def test_export_passes_llama_cpp_validation(bpe_models, tmp_path, name, quant):
     assert report.tokens_identical
     if quant in ("f16", "q8_0"):
         assert report.top1_agreement >= (0.99 if quant == "f16" else 0.95)  # the built-in floor, held here
-        assert report.decisive_agreement >= 0.99 or report.decisive_positions < 20  # random weights: near-ties
+        assert report.decisive_agreement >= (0.99 if report.decisive_positions >= 20 else 1.0)
+    if quant == "q8_0":  # random weights have few decisive positions; the report says when the gate had too few
+        assert bool(report.notes) == (report.decisive_positions < 20), report.describe()
     if quant == "f16":
         assert report.greedy_identical
     assert not list(tmp_path.glob(".tmp-*"))
@@ -279,3 +281,30 @@ def test_a_near_tie_does_not_decide_the_q8_0_gate_and_a_clear_flip_does():
     assert top1_counts(ours, ours) == (3, 2, 2)  # position 0 is a near-tie: not decisive
     assert top1_counts(ours, near_tie_flipped) == (2, 2, 2)
     assert top1_counts(ours, clear_flipped) == (2, 2, 1)
+
+
+def _report(quant: str, top1: float, decisive: int, decisive_agreement: float):
+    from localrl.quant.gguf_check import CheckReport, judge
+
+    return judge(CheckReport(quant, True, top1, 0.0, 0.0, True, decisive_agreement=decisive_agreement,
+                             decisive_positions=decisive, positions=200))
+
+
+def test_the_q8_0_decisive_gate_is_never_skipped_silently():
+    """With enough decisive positions q8_0 is judged on them; with fewer (a random model's near-uniform logits)
+    every one of them must still agree, 95% of all positions must, and the report says which gate ran."""
+    assert _report("q8_0", 0.90, 40, 1.0).passed  # near-ties flipped elsewhere: not judged
+    failed = _report("q8_0", 0.99, 40, 0.975)
+    assert not failed.passed and "decisive positions 97.5% < 99%" in failed.describe() and not failed.notes
+    # too few: announced, and still judged on the ones there are
+    few = _report("q8_0", 0.97, 5, 1.0)
+    assert few.passed and few.notes == ["only 5 decisive positions (fewer than 20): q8_0 needs all of them to agree "
+                                        "and 95% top-1 agreement over all 200 positions"]
+    assert "note: only 5 decisive positions" in few.describe()
+    flipped = _report("q8_0", 0.99, 5, 0.8)
+    assert not flipped.passed and "decisive positions 80.0% of 5 < 100%" in flipped.describe()
+    low = _report("q8_0", 0.94, 0, 1.0)
+    assert not low.passed and low.notes and "judged on all" in low.describe()
+    # other types have no decisive gate, and no note about it
+    assert _report("f16", 0.995, 0, 1.0).passed and not _report("f16", 0.995, 0, 1.0).notes
+    assert not _report("q4_0", 0.5, 3, 0.0).notes and _report("q4_0", 0.5, 3, 0.0).passed

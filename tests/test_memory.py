@@ -73,3 +73,39 @@ def test_budget_that_cannot_fit_stops_before_loading(tmp_path):
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
     assert proc.returncode == 2 and "memory_budget: 5MB cannot hold a step" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+VOCAB = 150_000  # Qwen's size; with a 32-wide model the logits are almost the whole step
+
+
+@pytest.fixture(scope="module")
+def large_vocabulary_step():
+    """One planned forward+backward of a random 1-layer model with a 150k vocabulary (built here, ~40 MB):
+    (plan, measured peak bytes, predicted bytes, logits tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.train()
+    plan = plan_step(ModelShape.from_config(model.config), 1, 8, 16, 16, None, load_in_4bit=False)
+    peak, predicted = run_planned_step(model, plan, 16, 16)
+    return plan, peak, predicted, min(plan.logits_chunk, 8 * 16)
+
+
+def test_the_logits_term_holds_every_float32_copy_backward_needs(large_vocabulary_step):
+    """Where the vocabulary dwarfs the model, the prediction is the logits term: at least the chunk's logits,
+    their exponentials and the gradient, [tokens, vocab] float32 each, are alive at once in backward. A term
+    that counted fewer (halved, say) would let a large-vocabulary step past its budget."""
+    plan, peak, predicted, tokens = large_vocabulary_step
+    assert plan.parts["logits"] >= 0.95 * predicted
+    assert plan.parts["logits"] >= 5 * tokens * VOCAB * 4
+    assert peak >= 0.95 * predicted  # the prediction does not overstate it either
+
+
+def test_the_logits_term_matches_the_measured_peak_on_a_large_vocabulary(large_vocabulary_step):
+    _, peak, predicted, _ = large_vocabulary_step
+    assert 0.9 <= peak / predicted <= 1.1, (peak, predicted)

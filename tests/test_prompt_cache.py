@@ -139,15 +139,21 @@ class _NoStep:
 
 
 @pytest.mark.parametrize("micro_batch", [0, 2])
-def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny_models, micro_batch):
+@pytest.mark.parametrize("rewards", [[1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0],
+                                     [1.0, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0, 1.0, 0.0]], ids=["binary", "graded"])
+def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny_models, micro_batch, rewards):
     """With beta 0, grpo_step computes only the groups with a learning signal; the gradient equals the
-    full batch's (every completion through the loss, divided by all of them) to float rounding."""
+    full batch's (every completion through the loss, divided by all of them) to float rounding. With
+    graded rewards (partial credit) a group with a signal can hold a completion of zero advantage, the
+    group's mean: the group is still computed."""
     from localrl.losses import group_advantages, grpo_loss
     from localrl.grpo import grpo_step
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
-    advantages = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0]), G).float()
-    assert advantages[:3].eq(0).all() and advantages[6:].eq(0).all() and advantages[3:6].ne(0).all()
+    advantages = group_advantages(torch.tensor(rewards), G).float()
+    flat = [bool(advantages[b * G:(b + 1) * G].eq(0).all()) for b in range(3)]
+    assert flat == [True, False, True] if rewards[6] == rewards[7] else flat == [True, False, False]
+    assert advantages[4].eq(0) == (rewards[4] == 0.5)  # the graded group's 0.5 is its mean: advantage 0
     cfg = TrainConfig(beta=0.0, max_grad_norm=0.0, temperature=1.0).validate()
 
     model.zero_grad(set_to_none=True)

@@ -20,6 +20,20 @@ def test_numeric_match():
     assert numeric_match(completions, answer=[1025, "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_numeric_match_has_no_tolerance_beyond_float_rounding():
+    """A near miss is wrong: the tolerance is float rounding (1e-9), not a percentage that would
+    let 5802 answer 4578 + 1234 = 5812 (0.17% off)."""
+    near_misses = {5812: "5802", 1001: "1000", 0.1: "0.10001", 123456789: "123456790", 0: "0.000001",
+                   -7: "-7.00001", 1_000_000: "1,000,001"}
+    assert numeric_match([f"<answer>{got}</answer>" for got in near_misses.values()],
+                         answer=list(near_misses)) == [0.0] * len(near_misses)
+    assert numeric_match([f"4578 + 1234 = {got}" for got in near_misses.values()],  # untagged: the last number
+                         answer=list(near_misses)) == [0.0] * len(near_misses)
+    # what float rounding alone changes still counts: 0.1 + 0.2 printed by Python, and 1e-10 off zero
+    assert numeric_match(["<answer>0.30000000000000004</answer>", "<answer>0.0000000001</answer>",
+                          "<answer>5812.0</answer>"], answer=[0.3, 0, "5,812"]) == [1.0, 1.0, 1.0]
+
+
 def test_an_untagged_answer_is_read_as_a_real_model_writes_it():
     # prose: the last number outside any thinking; a tag, when present, is what counts
     assert numeric_match(["457 + 68 = 525", "<think>7+8=15</think>So it is 525.", "<think>525</think>no idea",

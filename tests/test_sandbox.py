@@ -1,8 +1,11 @@
 """The command runner the agent uses: real bash, real processes, real files."""
 
 import os
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -10,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from localrl import cgroups
 from localrl.agent import parse_tool_calls
+from localrl.envs.shell import ShellEnv, expert_call, task_list
+from localrl.envs.shell_tasks import generate
 from localrl.errors import UserError
 from localrl.sandbox import LEVELS, Sandbox, disk_usage, level_works
 
@@ -51,9 +57,28 @@ LEVELS_HERE = [pytest.param(level, marks=pytest.mark.skipif(not level_works(leve
                for level in LEVELS]
 # What each level claims (localrl/sandbox.py's table): the tests hold every level to its claims
 # and also check that an unclaimed protection is really absent, so the probes can fail.
-CONFINES_WRITES = {"bwrap", "landlock"}
+CONFINES_WRITES = {"bwrap", "landlock", "unshare"}
 NO_NETWORK = {"bwrap", "landlock", "unshare"}
 HIDES_PROCESSES = {"bwrap", "landlock", "unshare"}
+HIDES_HOST_FILES = {"bwrap", "landlock"}  # reads outside the system dirs; the others read what the user may
+CAPS_TMPFS = {"bwrap", "unshare"}  # their own size-capped /tmp and /dev/shm (landlock: not writable at all)
+ROOT = os.geteuid() == 0
+# Who runs the command: a private workdir (the shell environment's) goes to nobody when we are root;
+# a root-owned one we were handed (``localrl agent --workdir`` as root) keeps uid 0, without capabilities.
+USERS = ["private", "given"]
+
+
+def sandbox(tmp_path, level, user, **kwargs) -> Sandbox:
+    workdir = tmp_path / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for d in [workdir.parent, *workdir.parent.parents]:  # pytest's tmp_path is root's alone (mode 700)
+        if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
+            d.chmod(d.stat().st_mode | 0o011)
+    return Sandbox(workdir, isolation=level, private_workdir=user == "private", **kwargs)
+
+
+def as_nobody(user: str) -> bool:
+    return ROOT and user == "private"
 
 
 def test_the_strongest_working_level_is_chosen(tmp_path):
@@ -107,16 +132,16 @@ def test_network(tmp_path, level, loopback_server):
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_other_processes_environment(tmp_path, level):
     secret = f"SECRET_{uuid.uuid4().hex}"
-    other = subprocess.Popen(["sleep", "30"], env={"TOKEN": secret})
+    other = subprocess.Popen(["bash", "-c", "sleep 30; :", f"{secret}-ARGV"], env={"TOKEN": secret})
     try:
-        result = Sandbox(tmp_path, isolation=level).run(f"cat /proc/{other.pid}/environ; cat /proc/{os.getpid()}/environ")
+        result = Sandbox(tmp_path, isolation=level).run(f"umount /proc; cat /proc/{other.pid}/cmdline; "
+                                                        f"cat /proc/{other.pid}/environ")
     finally:
         other.kill()
         other.wait()
-    own = Path("/proc/self/environ").read_bytes().split(b"\0")[0].decode()  # the test process's first variable
-    seen = secret in result.output
-    assert seen is (level not in HIDES_PROCESSES), result.output
-    assert (own in result.output) is seen
+    assert (f"{secret}-ARGV" in result.output) is (level not in HIDES_PROCESSES), result.output
+    if ROOT:  # a command without capabilities cannot read a capable process's environment, even at uid 0
+        assert f"TOKEN={secret}" not in result.output
 
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
@@ -190,3 +215,257 @@ def test_tool_calls_are_parsed_and_malformed_ones_skipped():
             '<tool_call>{"name": "shell", "arguments": "{\\"command\\": \\"pwd\\"}"}</tool_call>'
             '<tool_call>{not json}</tool_call><tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>')
     assert parse_tool_calls(text) == ["ls -la", "pwd"]
+
+
+# -- attacks: each test is what a hostile model's command would try; it fails if the attack works ------------
+
+def test_a_private_workdir_runs_as_nobody_and_a_given_root_one_as_root_without_capabilities(tmp_path):
+    private, given = sandbox(tmp_path / "a", None, "private"), sandbox(tmp_path / "b", None, "given")
+    if ROOT:
+        assert (private.runs_as, given.runs_as) == ("nobody", "root without capabilities")
+        assert (tmp_path / "a" / "work").stat().st_uid == 65534
+    else:
+        assert private.runs_as == given.runs_as == "the caller's user"
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_no_capability_and_no_remount_of_the_host(tmp_path, level, user):
+    target = Path("/etc") / f"localrl-probe-{uuid.uuid4().hex}"
+    try:
+        result = sandbox(tmp_path, level, user).run(
+            "grep CapEff /proc/self/status; mount -o remount,bind,rw /etc; mount -o remount,rw /; "
+            f"echo pwned > {target}; touch f; chown 4321 f && echo CHOWNED")
+        wrote = target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+    assert wrote is not (level in CONFINES_WRITES or as_nobody(user) or not ROOT), result.output
+    assert "CHOWNED" not in result.output
+    if "CapEff" in result.output:  # landlock hides /proc/self: chown (CAP_CHOWN) is the probe there
+        assert "CapEff:\t0000000000000000" in result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_host_files_metadata_and_dev_shm(tmp_path, level, user):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_text("host\n")
+    victim.chmod(0o644)
+    shm = Path("/dev/shm") / f"localrl-probe-{uuid.uuid4().hex}"
+    shm.write_text("host\n")
+    shm.chmod(0o666 if not ROOT else 0o644)
+    before = victim.stat()
+    try:
+        result = sandbox(tmp_path, level, user).run(
+            f"chmod 777 {victim}; chown 4321 {victim}; touch -d 2001-01-01 {victim}; echo x >> {victim}; "
+            f"python3 -c 'import os; os.setxattr(\"{victim}\", \"user.x\", b\"1\")'; echo pwned > {shm}")
+        after = victim.stat()
+        changed = (after.st_mode, after.st_uid, after.st_mtime, victim.read_text()) != \
+            (before.st_mode, before.st_uid, before.st_mtime, "host\n")
+        shm_written = shm.read_text() != "host\n"
+    finally:
+        shm.unlink()
+    claimed = level in CONFINES_WRITES or as_nobody(user)
+    assert changed is not claimed or not changed and claimed, result.output
+    if claimed:
+        assert not changed and not shm_written, result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_no_device_nodes_device_writes_or_terminal_injection(tmp_path, level, user):
+    marker = f"localrl-probe-{uuid.uuid4().hex}"
+    kmsg = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK) if ROOT and os.path.exists("/dev/kmsg") else None
+    if kmsg is not None:
+        os.lseek(kmsg, 0, os.SEEK_END)
+    master, slave = os.openpty()
+    os.set_blocking(master, False)
+    try:
+        result = sandbox(tmp_path, level, user).run(
+            f"mknod blk b 7 0 && echo MADE-BLOCK; mknod chr c 1 3 && echo MADE-CHAR; mkfifo fifo && echo FIFO; "
+            f"echo {marker} > /dev/kmsg && echo KMSG; "
+            f"python3 -c 'import fcntl, termios; f = open(\"{os.ttyname(slave)}\", \"wb\"); "
+            f"[fcntl.ioctl(f, termios.TIOCSTI, bytes([c])) for c in b\"{marker}\"]' && echo INJECTED")
+        try:
+            typed = os.read(master, 4096).decode(errors="replace")
+        except BlockingIOError:
+            typed = ""
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "MADE-BLOCK" not in result.output and "MADE-CHAR" not in result.output, result.output
+    assert "FIFO" in result.output  # FIFOs are ordinary files: allowed
+    assert marker not in typed and "INJECTED" not in result.output, result.output
+    if kmsg is not None:  # the kernel log itself: a "/dev/kmsg" the sandbox made up is no attack
+        logged = kernel_log_since(kmsg)
+        assert (marker in logged) is (level == "process" and not as_nobody(user)), result.output
+
+
+def kernel_log_since(fd: int) -> str:
+    records = []
+    try:
+        while True:
+            records.append(os.read(fd, 8192).decode(errors="replace"))
+    except (BlockingIOError, BrokenPipeError):
+        pass
+    finally:
+        os.close(fd)
+    return "".join(records)
+
+
+@pytest.mark.parametrize("level", [p for p in LEVELS_HERE if p.values[0] == "landlock"])
+def test_landlock_refuses_device_ioctls_and_tmp(tmp_path, level):
+    result = sandbox(tmp_path, level, "private").run(
+        "python3 -c 'import fcntl, termios; fcntl.ioctl(open(\"/dev/null\"), termios.TCGETS)' 2>&1 | tail -1; "
+        "echo x > /tmp/localrl-probe && echo TMP")
+    assert "PermissionError" in result.output and "TMP" not in result.output, result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_reading_host_secrets(tmp_path, level, user):
+    # as root, a root-only file outside /tmp (which unshare and bwrap replace), like /root/.ssh/id_rsa
+    outside = Path(f"/localrl-probe-{uuid.uuid4().hex}") if ROOT else tmp_path / "outside"
+    outside.mkdir(mode=0o755)
+    try:
+        secret = outside / "id_rsa"
+        secret.write_text(f"SECRET-{uuid.uuid4().hex}\n")
+        secret.chmod(0o600)
+        result = sandbox(tmp_path, level, user).run(f"cat {secret}; cat /etc/shadow | head -1")
+        read = secret.read_text().strip() in result.output
+    finally:
+        shutil.rmtree(outside)
+    assert read is not (level in HIDES_HOST_FILES or as_nobody(user)) or not ROOT, result.output
+    if ROOT and (level in ("bwrap", "unshare") or as_nobody(user)):
+        assert "root:" not in result.output, result.output  # /etc/shadow: hidden, or unreadable for nobody
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_proc_cannot_be_unmounted_to_see_the_host(tmp_path, level):
+    secret = f"SECRET_{uuid.uuid4().hex}"
+    other = subprocess.Popen(["bash", "-c", "sleep 30; :", secret])
+    try:
+        result = sandbox(tmp_path, level, "given").run(
+            f"umount /proc; umount -l /proc; cat /proc/{other.pid}/cmdline")
+    finally:
+        other.kill()
+        other.wait()
+    assert (secret in result.output) is (level not in HIDES_PROCESSES), result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_killing_its_watcher_leaves_nothing_running(tmp_path, level, user):
+    seconds = unique_seconds()
+    result = sandbox(tmp_path, level, user).run(f"setsid sleep {seconds} & sleep 0.2; kill -9 $PPID; sleep 0.5")
+    time.sleep(0.3)
+    survivors = processes_running(seconds)
+    for pid in survivors:
+        os.kill(pid, 9)
+    if cgroups.available() or as_nobody(user) or level in ("bwrap", "unshare"):
+        assert survivors == [], result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_the_disk_quota_counts_deleted_open_files_and_hidden_directories(tmp_path, level, user):
+    box = sandbox(tmp_path, level, user, timeout=20, max_file_bytes=8 * 2**20, max_disk_bytes=8 * 2**20)
+    deleted = box.run("exec 3>a 4>b 5>c 6>d; for fd in 3 4 5 6; do head -c 7000000 /dev/zero >&$fd; done; "
+                      "rm a b c d; sleep 5; echo KEPT")
+    assert deleted.over_disk and "KEPT" not in deleted.output, deleted.output
+    hidden = box.run("mkdir d; for i in 1 2 3; do head -c 6000000 /dev/zero > d/f$i; done; chmod 000 d; sleep 5; "
+                     "echo KEPT")
+    assert hidden.over_disk and "KEPT" not in hidden.output, hidden.output
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_tmp_and_dev_shm_are_capped_where_the_level_has_its_own(tmp_path, level):
+    box = sandbox(tmp_path, level, "private", timeout=20, max_disk_bytes=8 * 2**20)
+    result = box.run("for d in /tmp /dev/shm; do head -c 20000000 /dev/zero > $d/localrl-probe-big; "
+                     "echo $d $(stat -c %s $d/localrl-probe-big); rm -f $d/localrl-probe-big; done")
+    sizes = [int(line.split()[1]) for line in result.output.splitlines() if line.startswith("/") and
+             len(line.split()) == 2 and line.split()[1].isdigit()]
+    if level in CAPS_TMPFS:
+        assert sizes and max(sizes) <= 8 * 2**20, result.output
+    if level == "landlock":
+        assert sizes == [], result.output
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_a_fork_bomb_stops_at_the_process_cap(tmp_path, level, user):
+    box = sandbox(tmp_path, level, user, timeout=15, max_processes=32)
+    result = box.run("python3 -c '\nimport os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n"
+                     "            time.sleep(20)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\n"
+                     "print(\"forked\", n)'")
+    forked = [int(line.split()[1]) for line in result.output.splitlines() if line.startswith("forked")]
+    if cgroups.available() or as_nobody(user):
+        assert forked and forked[0] < 32, result.output
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_memory_is_capped_for_all_processes_together(tmp_path, level):
+    if not cgroups.available():
+        pytest.skip("no cgroup can be made here: memory is capped per process only (the README says so)")
+    box = sandbox(tmp_path, level, "private", timeout=20, memory_bytes=256 * 2**20)
+    result = box.run("for i in 1 2 3; do python3 -c 'import time; b = b\"x\" * (150 * 2**20); print(\"HELD\", "
+                     "flush=True); time.sleep(3)' & done; wait")
+    assert result.output.splitlines().count("HELD") < 3, result.output
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_the_shell_environment_path_is_confined_too(level):
+    """Training rollouts reach the sandbox through ShellEnv.step: the same attacks fail there."""
+    target = Path("/etc") / f"localrl-probe-{uuid.uuid4().hex}"
+    env = ShellEnv(task_list([generate(0, "count", 1)]), isolation=level, timeout=5)
+    try:
+        env.reset(0)
+        observation, _ = env.step(expert_call(f"grep CapEff /proc/self/status; mount -o remount,rw /etc; "
+                                              f"echo pwned > {target}; id -u"))
+        assert not target.exists(), observation
+        if ROOT:
+            assert "65534" in observation, observation
+        if "CapEff" in observation:
+            assert "CapEff:\t0000000000000000" in observation
+    finally:
+        target.unlink(missing_ok=True)
+        env.close()
+
+
+def python_for_nobody() -> list[str] | None:
+    """A command line that starts this Python's environment as another user, or None: a venv whose
+    interpreter lies in root's home (mode 700) is reached through the system's Python of the same version."""
+    site_dirs = [p for p in sys.path if p.endswith("site-packages")]
+    for exe in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
+        if os.path.exists(exe) and _reachable(exe) and all(_reachable(d) for d in site_dirs):
+            return [exe, "-c", "import site, sys; [site.addsitedir(d) for d in sys.argv[1].split(':')]; "
+                    "sys.argv = sys.argv[1:]; import pytest; sys.exit(pytest.main(sys.argv[1:]))", ":".join(site_dirs)]
+    return None
+
+
+def _reachable(path: str) -> bool:
+    p = Path(path).resolve()
+    return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ROOT, reason="switching to an unprivileged user needs root")
+def test_every_attack_fails_for_an_unprivileged_caller_too():
+    """CI runs as root; people run localrl as themselves. This file again, as nobody."""
+    python, repo = python_for_nobody(), Path(__file__).resolve().parents[1]
+    if python is None or not _reachable(str(repo)):
+        pytest.skip("no Python that nobody may run reaches this environment and checkout")
+    base = Path(tempfile.mkdtemp(prefix="localrl-nobody-"))
+    os.chown(base, 65534, 65534)
+    try:
+        done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *python,
+                               str(repo / "tests" / "test_sandbox.py"), "-q", "-p", "no:cacheprovider",
+                               "-m", "not slow", "--basetemp", str(base / "t"), "--rootdir", str(repo)],
+                              cwd=repo, env={"PATH": os.environ["PATH"], "HOME": str(base),
+                                             "PYTHONPATH": str(repo)},
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

@@ -1,9 +1,13 @@
 """A real llama-cpp-python server on a loopback port, serving a GGUF exported from the built-in model."""
 
+import http.client
 import json
+import os
+import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,14 +52,23 @@ def _no_traceback(text: str) -> None:
     assert ".py" not in text and "site-packages" not in text and "/work/" not in text, text
 
 
-def _serve(gguf, tmp_path_factory, *flags):
+PIDS: dict[str, int] = {}  # a live server's base URL: its process id
+
+
+def _environment(**extra: str) -> dict:
+    """This process's environment without a developer's own LOCALRL_API_KEY, plus ``extra``."""
+    return {k: v for k, v in os.environ.items() if k != "LOCALRL_API_KEY"} | extra
+
+
+def _serve(gguf, tmp_path_factory, *flags, env: dict | None = None):
     """A live ``localrl serve`` of ``gguf``; yields its base URL, stops it afterwards."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = log_path.open("w")  # a file, not a pipe: a full pipe would stall a server that logs errors
     proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(gguf), "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env or _environment())
     base = f"http://127.0.0.1:{port}/v1"
+    PIDS[base] = proc.pid
     deadline = time.time() + 60
     while True:
         try:
@@ -74,8 +87,18 @@ def _serve(gguf, tmp_path_factory, *flags):
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf, tmp_path_factory):
-    """The server with an API key and no --n-ctx: its context is the model's training context."""
-    yield from _serve(tiny_gguf, tmp_path_factory, "--api-key", "sekrit")
+    """The server with an API key (from a file) and no --n-ctx: its context is the model's training context."""
+    key_file = tmp_path_factory.mktemp("key") / "key"
+    key_file.write_text("sekrit\n")
+    yield from _serve(tiny_gguf, tmp_path_factory, "--api-key-file", str(key_file))
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny_gguf, tmp_path_factory):
+    """The server without a key (the default), web pages from one origin let in, one more Host name served, a body
+    of 6 MiB allowed."""
+    yield from _serve(tiny_gguf, tmp_path_factory, "--cors-origin", "http://localhost:3000",
+                      "--allowed-host", "models.example", "--max-body-bytes", str(6 << 20))
 
 
 def test_an_agents_tool_calls_come_back_in_openais_tool_calls_field(tmp_path_factory):
@@ -338,3 +361,327 @@ def test_torch_chat_streams_the_greedy_reply_piece_by_piece(builtin_model):
     out = model.model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=sorted(model.stops))
     whole = model.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert len(pieces) > 5 and "".join(pieces) == whole
+
+
+# What a security probe of the server found, each attack asserted to fail.
+
+def _http(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, headers with lower-case names, text) of one request to ``base``'s server, on 127.0.0.1 always."""
+    port = int(base.split(":")[2].split("/")[0])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
+    finally:
+        connection.close()
+
+
+def _vm(pid: int, field: str) -> int:
+    """A VmRSS/VmHWM line of /proc/PID/status, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _send_huge_body(base: str, headers: str, chunked: bool, size: int = 50 << 20) -> tuple[float, bytes]:
+    """(seconds until the server's answer began, its first bytes) for a POST of ``size`` bytes, sent by a thread
+    for as long as the server takes them, while this one waits for the answer."""
+    port = int(base.split(":")[2].split("/")[0])
+    sock = socket.create_connection(("127.0.0.1", port))
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+    start = time.time()
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                 f"Content-Type: application/json\r\n{headers}{framing}\r\n\r\n".encode())
+
+    def pump():
+        piece = b"[" * (1 << 16)
+        try:
+            for _ in range(size // len(piece)):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        except OSError:  # the server closed the connection: it is not reading the rest
+            pass
+
+    sender = threading.Thread(target=pump, daemon=True)
+    sender.start()
+    sock.settimeout(30)
+    try:
+        answer = sock.recv(200)
+    except OSError as e:
+        answer = repr(e).encode()
+    elapsed = time.time() - start
+    sock.close()
+    sender.join(30)
+    return elapsed, answer
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("which, key, status", [("server", None, 401), ("server", "sekrit", 413),
+                                                ("open_server", None, 413)])
+def test_a_50_mb_body_is_refused_at_once_and_never_read(request, which, key, status, chunked):
+    # before, a 50 MB body took 100 s and 1.5 GB, blocking every other request, with a key or without
+    base = request.getfixturevalue(which)
+    pid = PIDS[base]
+    before = _vm(pid, "VmRSS")
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM (the peak) starts again from VmRSS
+    except OSError:
+        pass
+    peaks = []
+    done = threading.Event()
+
+    def watch():  # VmRSS sampled as well, should clear_refs be refused
+        while not done.is_set():
+            peaks.append(_vm(pid, "VmRSS"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    elapsed, answer = _send_huge_body(base, auth, chunked)
+    time.sleep(0.3)  # whatever the server still does with it
+    done.set()
+    watcher.join()
+    growth = max(_vm(pid, "VmHWM"), *peaks) - before
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer
+    assert elapsed < 1.0, elapsed
+    assert growth < 50 << 20, f"the server grew by {growth >> 20} MB"
+    status_after, _ = _request(f"{base}/models", None, "sekrit")
+    assert status_after == 200  # and it still answers
+
+
+@pytest.mark.parametrize("which, limit", [("server", 4 << 20), ("open_server", 6 << 20)])
+def test_a_body_within_the_limit_is_served_and_the_limit_can_be_raised(request, which, limit):
+    base = request.getfixturevalue(which)
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2, "user": "x" * (limit - 100)}).encode()  # (ignored)
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer sekrit"}
+    # http.client sends the whole body, then reads the answer, on a connection kept open: uvicorn drops the rest of
+    # a refused body and the 413 arrives (urllib asks for the connection to close, and uvicorn closes it unread)
+    status, _, text = _http(base, "POST", "/v1/completions", body, headers)
+    assert status == 200, text[:300]
+    status, _, text = _http(base, "POST", "/v1/completions", body + b" " * 200, headers)
+    assert status == 413 and json.loads(text)["error"]["param"] == "body", text
+    assert f"limit of {limit} bytes (its --max-body-bytes)" in json.loads(text)["error"]["message"]
+
+
+DEEP = b"[" * 100_000  # Python's json recursed into it and failed with a RecursionError: a 500
+DEEP_IN_A_TOOL = json.dumps(QUESTION | {"tools": [{"type": "function", "function": {
+    "name": "f", "parameters": {"type": "object", "x": json.loads("[" * 70 + "]" * 70)}}}]}).encode()
+
+
+@pytest.mark.parametrize("body", [b'{"messages": 5}', b'{"messages": [{"role":', b"[]", b"", b"\xff\xfe",
+                                  DEEP, DEEP_IN_A_TOOL, json.dumps(QUESTION).encode()],
+                         ids=["wrong-type", "truncated", "array", "empty", "not-utf8", "deep", "deep-in-a-tool",
+                              "good"])
+def test_a_request_without_the_key_gets_401_whatever_its_body(server, body):
+    for path in ("/v1/chat/completions", "/v1/completions", "/extras/tokenize", "/v1/embeddings"):
+        for headers in ({"Content-Type": "application/json"}, {"Content-Type": "text/plain"},
+                        {"Content-Type": "application/json", "Authorization": "Bearer wrong"}):
+            status, response_headers, text = _http(server, "POST", path, body, headers)
+            assert status == 401, (path, headers, text)
+            assert json.loads(text)["error"]["code"] == "invalid_api_key", text
+            assert response_headers.get("www-authenticate") == "Bearer"
+    status, _, text = _http(server, "GET", "/v1/models")
+    assert status == 401, text
+
+
+@pytest.mark.parametrize("which", ["server", "open_server"])
+def test_json_nested_too_deep_gets_a_400_before_any_parser_recurses(request, which):
+    base = request.getfixturevalue(which)
+    for path, body in (("chat/completions", DEEP), ("chat/completions", DEEP_IN_A_TOOL), ("completions", DEEP)):
+        status, text = _post(f"{base}/{path}", body, "sekrit")
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert error["param"] == "body" and "nested more than 64 levels" in error["message"], error
+    # brackets inside strings are text, however many
+    root = base.removesuffix("/v1")
+    status, text = _post(f"{root}/extras/tokenize/count", json.dumps({"input": "[{" * 100 + '"\\'}).encode(), "sekrit")
+    assert status == 200 and json.loads(text) == {"count": 202}, text
+
+
+def _reference_depth(value) -> int:
+    if isinstance(value, (list, dict)):
+        return 1 + max(map(_reference_depth, value.values() if isinstance(value, dict) else value), default=0)
+    return 0
+
+
+def test_json_depth_equals_the_parsed_documents_depth():
+    from localrl.serve import json_depth
+
+    rng = random.Random(0)
+    alphabet = '[]{}"\\ax\n\u00e9'  # strings full of what the scan must see through: brackets, quotes, escapes
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+
+    def value(depth):
+        r = rng.random()
+        if depth > 12 or r < 0.3:
+            return rng.choice([text(), 1, None, True, 2.5])
+        if r < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {text(): value(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    for _ in range(2000):
+        document = value(0)
+        for ascii_only in (True, False):
+            body = json.dumps(document, ensure_ascii=ascii_only).encode()
+            assert json_depth(body) == _reference_depth(document), body
+    assert json_depth(DEEP) == 100_000 and json_depth(b'"' + b"[" * 99 + b'"') == 0
+    assert json_depth(b'["\\\\", [["\\"]"]]]') == 3  # an escaped backslash, then an escaped quote
+
+
+CORS = ("access-control-allow-origin", "access-control-allow-credentials", "access-control-allow-methods",
+        "access-control-allow-headers")
+
+
+def _preflight(base: str, origin: str):
+    return _http(base, "OPTIONS", "/v1/chat/completions", None, {
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_no_web_page_may_call_the_server_by_default(server):
+    # llama-cpp-python answered every origin's preflight with that origin, credentials allowed
+    status, headers, _ = _preflight(server, "http://evil.example")
+    assert not [h for h in headers if h.startswith("access-control-")], headers
+    status, headers, text = _http(server, "POST", "/v1/chat/completions", json.dumps(QUESTION).encode(),
+                                  {"Origin": "http://evil.example", "Content-Type": "application/json",
+                                   "Authorization": "Bearer sekrit"})
+    assert status == 200 and not [h for h in headers if h.startswith("access-control-")], headers
+
+
+def test_cors_origin_lets_in_that_origin_only(open_server):
+    status, headers, _ = _preflight(open_server, "http://localhost:3000")
+    assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000", headers
+    assert "access-control-allow-credentials" not in headers
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    for origin in ("http://evil.example", "http://localhost:3001", "null"):
+        status, headers, _ = _preflight(open_server, origin)
+        assert status != 200 and "access-control-allow-origin" not in headers, (origin, headers)
+        status, headers, _ = _http(open_server, "GET", "/v1/models", None, {"Origin": origin})
+        assert status == 200 and "access-control-allow-origin" not in headers, (origin, headers)
+    status, headers, _ = _http(open_server, "GET", "/v1/models", None, {"Origin": "http://localhost:3000"})
+    assert headers["access-control-allow-origin"] == "http://localhost:3000", headers
+
+
+def test_a_request_for_another_host_is_refused(server, open_server):
+    # a DNS rebinding sends the attacker's own name: a web page's requests reach the server with it
+    port = server.split(":")[2].split("/")[0]
+    for host in ("evil.example", f"evil.example:{port}", f"localhost.evil.example:{port}", "models.example"):
+        status, _, text = _http(server, "GET", "/v1/models", None, {"Host": host, "Authorization": "Bearer sekrit"})
+        assert status == 403 and json.loads(text)["error"]["code"] == "host_not_allowed", (host, text)
+        status, _, text = _http(server, "POST", "/v1/chat/completions", DEEP, {"Host": host})  # before anything
+        assert status == 403, (host, text)
+    for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        status, _, text = _http(server, "GET", "/v1/models", None, {"Host": host, "Authorization": "Bearer sekrit"})
+        assert status == 200, (host, text)
+    open_port = open_server.split(":")[2].split("/")[0]
+    for host, expected in ((f"models.example:{open_port}", 200), ("models.example", 200), ("evil.example", 403)):
+        status, _, text = _http(open_server, "GET", "/v1/models", None, {"Host": host})
+        assert status == expected, (host, text)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", QUESTION | {"max_tokens": -5}, "max_tokens"),  # was: no limit at all
+    ("chat/completions", QUESTION | {"max_tokens": 0}, "max_tokens"),
+    ("chat/completions", QUESTION | {"max_tokens": 1e30}, "max_tokens"),
+    ("chat/completions", QUESTION | {"max_tokens": 257}, "max_tokens"),  # the context is 256
+    ("completions", {"prompt": "1+1=", "max_tokens": -5}, "max_tokens"),
+    ("completions", {"prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "1+1=", "max_tokens": 10 ** 30}, "max_tokens"),
+    ("chat/completions", QUESTION | {"n": 5}, "n"),  # was: one choice back, n ignored
+    ("chat/completions", QUESTION | {"n": -1}, "n"),
+    ("completions", {"prompt": "1+1=", "max_tokens": 4, "n": 2}, "n"),
+    ("completions", {"prompt": "1+1=", "max_tokens": 4, "best_of": 3}, "best_of"),
+])
+def test_max_tokens_and_n_out_of_range_get_a_400_naming_the_field(server, path, body, param):
+    status, text = _post(f"{server}/{path}", json.dumps(body).encode(), "sekrit")
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    fits = body | ({"max_tokens": 4, "n": 1, "best_of": 1} if path == "completions" else {"max_tokens": 256, "n": 1})
+    status, text = _post(f"{server}/{path}", json.dumps(fits).encode(), "sekrit")
+    assert status == 200, text
+
+
+def test_the_key_comes_from_the_api_key_file(server):
+    assert _request(f"{server}/models", None, "sekrit")[0] == 200
+    assert _request(f"{server}/models", None, "sekritx")[0] == 401  # the file's line, not a prefix of it
+    assert _request(f"{server}/models", None)[0] == 401
+
+
+def test_the_key_comes_from_the_environment(tiny_gguf, tmp_path_factory):
+    for base in _serve(tiny_gguf, tmp_path_factory, env=_environment(LOCALRL_API_KEY="sekrit")):
+        assert _request(f"{base}/models", None, "sekrit")[0] == 200
+        assert _request(f"{base}/models", None)[0] == 401
+        status, text = _post(f"{base}/chat/completions", json.dumps(QUESTION).encode(), "other")
+        assert status == 401, text
+
+
+def _serve_command(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "localrl.cli", "serve", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, env=env or _environment())
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "::ffff:192.0.2.1", "models.example"])
+def test_a_host_other_than_loopback_without_a_key_is_refused_in_one_line(tiny_gguf, host):
+    # refused before anything binds: a bind to these addresses, none of this machine's, would fail otherwise
+    proc = _serve_command(tiny_gguf, "--host", host, "--port", _free_port())
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"localrl: error: serve: --host {host} is reachable from other machines: require a key "
+        "(--api-key-file PATH or LOCALRL_API_KEY), or serve it to anyone with --insecure"], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_insecure_serves_without_a_key_with_a_warning(tmp_path):
+    bad = tmp_path / "x.gguf"  # the file check stops it after the warning, before anything binds
+    bad.write_text("not a model")
+    proc = _serve_command(bad, "--host", "192.0.2.1", "--insecure")
+    assert proc.stdout.startswith("warning: serving on 192.0.2.1 with no API key (--insecure)"), proc.stdout
+    assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
+
+
+def test_loopback_is_told_apart():
+    from localrl.serve import is_loopback, served_hosts
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LocalHost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "", "192.168.1.5", "::ffff:192.0.2.1", "localhost.evil.example"]))
+    assert served_hosts("127.0.0.1") == (frozenset({"localhost", "127.0.0.1", "::1"}), False)
+    assert served_hosts("0.0.0.0", ("Models.Example:80",)) == (
+        frozenset({"0.0.0.0", "localhost", "127.0.0.1", "::1", "models.example"}), True)
+    assert served_hosts("192.168.1.5") == (frozenset({"192.168.1.5"}), False)
+
+
+def test_api_key_on_the_command_line_warns_that_others_can_read_it(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_text("not a model")
+    proc = _serve_command(bad, "--api-key", "sekrit")
+    [warning, error] = proc.stderr.splitlines()
+    assert warning.startswith("localrl: warning: --api-key is visible to other users in the process list"), warning
+    assert "not a GGUF file" in error
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cors-origin", "*"], "serve --cors-origin '*': must be one origin, scheme://host[:port], such as "
+                             "http://localhost:3000"),
+    (["--cors-origin", "http://x.example/app"], "serve --cors-origin 'http://x.example/app': must be one origin, "
+                                                "scheme://host[:port], such as http://localhost:3000"),
+    (["--allowed-host", "http://x.example"], "serve --allowed-host 'http://x.example': must be a host name such as "
+                                             "myhost.lan (no scheme or path)"),
+    (["--max-body-bytes", "0"], "serve: --max-body-bytes must be at least 1 (got 0)"),
+    (["--api-key", "a", "--api-key-file", "k"], "serve: give --api-key or --api-key-file, not both"),
+    (["--api-key-file", "/nonexistent/key"], "serve --api-key-file /nonexistent/key: cannot read it (No such file "
+                                             "or directory)"),
+])
+def test_serve_checks_its_security_flags_in_one_line(tiny_gguf, flags, message):
+    proc = _serve_command(tiny_gguf, *flags)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"localrl: error: {message}"], proc.stderr
+
+
+def test_an_empty_key_is_refused(tiny_gguf, tmp_path):
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    for flags in (["--api-key-file", empty], ["--api-key", " "]):
+        proc = _serve_command(tiny_gguf, *flags)
+        assert proc.returncode == 2 and "the key must be one word of printable ASCII" in proc.stderr, proc.stderr

@@ -1,15 +1,19 @@
 """The shell environment: generated tasks, their verifiers, the episode protocol and users' tasks,
 all run for real in the sandbox."""
 
+import gc
 import json
+import os
 import random
+import time
 
 import pytest
 
-from localrl.envs.shell import ShellEnv, expert_call, generated_tasks, solve, task_list
+from localrl.envs.shell import WORKDIR_PREFIX, ShellEnv, expert_call, generated_tasks, solve, task_list
 from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, generate, held_out_tasks, load_tasks, \
     sample_tasks
 from localrl.errors import UserError
+from localrl.sandbox import LEVELS as LEVELS_SANDBOX, level_works
 
 CELLS = [(f, lv) for f in FAMILIES for lv in LEVELS]
 
@@ -118,11 +122,11 @@ def test_a_users_jsonl_tasks(tmp_path):
 
 
 @pytest.mark.parametrize("row,message", [
-    ({"files": {}, "check": {"answer": 1}}, "'instruction'"),
+    ({"files": {}, "check": {"answer": 1}}, "instruction: must be a non-empty string"),
     ({"instruction": "x", "files": {"../up": "1"}, "check": {"answer": 1}}, "stay inside"),
     ({"instruction": "x", "files": {"/etc/passwd": "1"}, "check": {"answer": 1}}, "must be relative"),
     ({"instruction": "x", "check": {"absent": ["../../x"]}}, "stay inside"),
-    ({"instruction": "x", "check": {"grep": "y"}}, "'check' must be"),
+    ({"instruction": "x", "check": {"grep": "y"}}, "check: must be"),
     ({"instruction": "x", "check": {"answer": True}}, "answer"),
     ({"instruction": "x", "check": {"answer": 1}, "setup": "rm -rf /"}, "unknown field 'setup'"),
 ])
@@ -146,7 +150,7 @@ def test_tasks_from_a_python_callable(tmp_path, monkeypatch):
     env.step("hi there")
     assert env.reward() == 1.0
     env.close()
-    with pytest.raises(UserError, match="cannot load"):
+    with pytest.raises(UserError, match="cannot import it"):
         load_tasks("my_tasks:missing")
     assert isinstance(tasks[0], ShellTask)
 
@@ -164,3 +168,85 @@ def test_a_curriculum_restricts_training_tasks_but_not_the_held_out_set():
     with pytest.raises(UserError, match="applies to the built-in shell tasks"):
         build_config(None, {"env_levels": "1"})
 
+
+
+# -- the reward check reads the model's final tree: it must never reach the host nor block ---------------------
+
+LEVELS_HERE = [pytest.param(level, marks=pytest.mark.skipif(not level_works(level), reason=f"no {level} here"))
+               for level in LEVELS_SANDBOX]
+
+
+def one_task_env(check, level=None) -> ShellEnv:
+    return ShellEnv(task_list([ShellTask("Make the files.", {"start.txt": "x\n"}, check)]), isolation=level, timeout=5)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_a_link_to_a_host_file_earns_nothing_and_special_files_do_not_block(tmp_path, level):
+    secret = tmp_path / "host-secret"
+    secret.write_text("hunter2\n")
+    check = Check(files={"guess": "hunter2", "fifo": "x", "kmsg": "x", "inside": "x"})
+    env = one_task_env(check, level)
+    try:
+        env.reset(0)
+        env.step(expert_call(f"ln -s {secret} guess; mkfifo fifo; ln -s /proc/kmsg kmsg; echo x > real; "
+                             "ln -s real inside"))
+        env.step("<answer>done</answer>")
+        t0 = time.monotonic()
+        assert env.reward() == 0.0  # not even the link inside the tree: no link is followed
+        assert time.monotonic() - t0 < 2
+        assert Check(files={"real": "x"}).score(env.workdir, "") == 1.0  # the probe can succeed
+    finally:
+        env.close()
+
+
+def test_a_hard_link_to_a_file_elsewhere_is_not_read(tmp_path):
+    (tmp_path / "elsewhere").write_text("hunter2\n")
+    (tmp_path / "work").mkdir()
+    os.link(tmp_path / "elsewhere", tmp_path / "work" / "guess")
+    assert Check(files={"guess": "hunter2"}).score(tmp_path / "work", "") == 0.0
+
+
+def test_a_users_verifier_sees_no_link_out_and_no_fifo(tmp_path):
+    secret = tmp_path / "host-secret"
+    secret.write_text("hunter2\n")
+
+    def verifier(root, text):  # a careless verifier: follows links, opens whatever is there
+        leaked = (root / "guess").exists() and (root / "guess").read_text().strip() == "hunter2"
+        blocked = (root / "fifo").exists() and (root / "fifo").read_text()
+        return float(leaked or bool(blocked))
+
+    env = one_task_env(verifier)
+    try:
+        env.reset(0)
+        env.step(expert_call(f"ln -s {secret} guess; mkfifo fifo"))
+        env.step("<answer>done</answer>")
+        assert env.reward() == 0.0
+    finally:
+        env.close()
+
+
+def test_a_users_verifier_that_hangs_scores_zero_and_one_that_returns_nan_stops(tmp_path, capsys):
+    task = ShellTask("x", {}, lambda root, text: time.sleep(30))
+    t0 = time.monotonic()
+    assert task.score(tmp_path, "", timeout=0.5) == 0.0
+    assert time.monotonic() - t0 < 2 and "ran past 0.5 s" in capsys.readouterr().err
+    with pytest.raises(UserError, match="returned nan"):
+        ShellTask("x", {}, lambda root, text: float("nan")).score(tmp_path, "")
+    with pytest.raises(UserError, match="failed: ZeroDivisionError"):
+        ShellTask("x", {}, lambda root, text: 1 / 0).score(tmp_path, "")
+
+
+def test_episode_directories_are_removed_on_close_and_stale_ones_swept(tmp_path):
+    stale = tmp_path / f"{WORKDIR_PREFIX}999999999-abc"  # a pid no process has
+    stale.mkdir()
+    (stale / "f").write_text("left by a killed run")
+    live = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-abc"
+    live.mkdir()
+    env = ShellEnv(root=tmp_path)
+    assert not stale.exists() and live.exists()
+    env.reset(0)
+    workdir = env.workdir
+    assert workdir.name.startswith(f"{WORKDIR_PREFIX}{os.getpid()}-")
+    del env
+    gc.collect()
+    assert not workdir.exists()  # dropped without close(): the finalizer removes it

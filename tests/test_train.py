@@ -85,6 +85,21 @@ def test_ctrl_c_saves_and_resume_continues(builtin_model, tmp_path):
     assert train_records(run) == train_records(reference.run_dir)
 
 
+def test_resume_with_lora_dropout_reproduces_the_uninterrupted_run(builtin_model, tmp_path):
+    """Dropout draws from torch's global generator in every update: only a checkpoint that restores that
+    generator's state lets a resumed run repeat the uninterrupted one (with dropout 0 nothing draws from it)."""
+    dropout = {"lora_dropout": 0.1, "save_every": 1, "prompts_per_step": 2, "max_new_tokens": 16,
+               "reward": "tests.helpers:distinct_chars"}  # groups with a signal from the first step on
+    full = train(small(tmp_path / "full", steps=2, **dropout), **QUIET)
+    train(small(tmp_path / "part", steps=1, **dropout), **QUIET)
+    train(resume_config(tmp_path / "part", {"steps": 2}), resume=True, **QUIET)
+    records = train_records(full.run_dir)
+    assert train_records(tmp_path / "part") == records and all(r["frac_reward_zero_std"] < 1 for r in records)
+    a = load_file(str(full.run_dir / "checkpoints" / "step-000002" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "checkpoints" / "step-000002" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
 def test_corrupted_checkpoint_stops_resume_with_one_line(builtin_model, tmp_path):
     result = train(small(tmp_path / "run", steps=1), **QUIET)
     (result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors").write_bytes(b"garbage")

@@ -8,33 +8,34 @@ import torch
 from localrl.config import LOSS_TYPES, TrainConfig
 from localrl.losses import group_advantages
 from localrl.modeling import load_policy, pick_device
-from localrl.rollout import Rollout
+from localrl.rollout import Rollout, left_pad
 from localrl.grpo import grpo_step
 
 G, R, TEMPERATURE = 4, 9, 0.7
 
 
-def _policy(model_dir):
+def _policy(model_dir, b_std: float = 0.2):
     cfg = TrainConfig(model=str(model_dir), quantize="none").validate()
     torch.manual_seed(0)
     model, tok = load_policy(cfg, pick_device("cpu"))
     g = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():  # non-zero B weights: every adapter weight gets a gradient
         if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.2, generator=g)
+            torch.nn.init.normal_(p, std=b_std, generator=g)
     model.train()
     return model, tok
 
 
-def _rollout(vocab: int, pad_id: int) -> tuple[Rollout, torch.Tensor]:
-    """3 prompts of one length (TRL gives the model no position ids, so no left padding), G completions
-    each of mixed lengths (right padding, one cut at R), and rewards that differ within every group."""
+def _rollout(vocab: int, pad_id: int, prompt_lengths=(6, 6, 6)) -> tuple[Rollout, torch.Tensor]:
+    """3 prompts (of one length by default; shorter ones are left-padded), G completions each of mixed
+    lengths (right padding, one cut at R), and rewards that differ within every group."""
     g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(0, 256, (3, 6), generator=g)
+    prompt_ids, prompt_mask = left_pad([torch.randint(0, 256, (n,), generator=g).tolist() for n in prompt_lengths],
+                                       pad_id)
     lengths = torch.tensor([R, 3, 1, 7, 5, 2, 4, R, 6, 8, 2, 5])
     mask = (torch.arange(R)[None] < lengths[:, None]).long()
     ids = torch.where(mask.bool(), torch.randint(0, vocab, (len(lengths), R), generator=g), pad_id)
-    rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), ids, mask, lengths == R, G)
+    rollout = Rollout(prompt_ids, prompt_mask, ids, mask, lengths == R, G)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.2, 0.3, 0.0, 0.0, 1.0])
     return rollout, rewards
 
@@ -51,12 +52,14 @@ def _localrl(model, rollout, advantages, loss_type: str, micro_batch: int, **set
     return stats["loss"], _lora_grads(model)
 
 
-def _trl(model, tok, rollout, advantages, loss_type: str, tmp_path) -> tuple[float, dict]:
+def _trl(model, tok, rollout, advantages, loss_type: str, tmp_path, beta: float = 0.0,
+         use_bias_correction_kl: bool = True) -> tuple[float, dict]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     n = rollout.completion_ids.size(0)
-    args = GRPOConfig(output_dir=str(tmp_path / loss_type), use_cpu=True, loss_type=loss_type, beta=0.0,
+    args = GRPOConfig(output_dir=str(tmp_path / loss_type), use_cpu=True, loss_type=loss_type, beta=beta,
+                      use_bias_correction_kl=use_bias_correction_kl,
                       num_generations=G, per_device_train_batch_size=n, gradient_accumulation_steps=1,
                       max_completion_length=R, temperature=TEMPERATURE, report_to="none", save_strategy="no",
                       bf16=False, fp16=False, disable_tqdm=True)
@@ -67,6 +70,11 @@ def _trl(model, tok, rollout, advantages, loss_type: str, tmp_path) -> tuple[flo
               "prompt_mask": rollout.prompt_mask.repeat_interleave(G, 0),
               "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
               "advantages": advantages, "num_items_in_batch": rollout.completion_mask.sum()}
+    if beta:  # the reference as TRL's sampling step computes it for a new adapter: the base, adapter off
+        ids = torch.cat([inputs["prompt_ids"], rollout.completion_ids], 1)
+        mask = torch.cat([inputs["prompt_mask"], rollout.completion_mask], 1)
+        with torch.no_grad(), model.disable_adapter():
+            inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(model, ids, mask, R, n)[0]
     model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(model, inputs)
     loss.backward()
@@ -87,6 +95,31 @@ def test_loss_and_gradient_equal_trls(builtin_model, tmp_path, loss_type):
     ours_loss, ours = _localrl(model, rollout, advantages, loss_type, micro_batch=0)
     assert ours_loss == pytest.approx(theirs_loss, rel=1e-5, abs=1e-7)
     assert _max_rel_err(ours, theirs) < 1e-4
+
+
+@pytest.mark.parametrize("loss_type, corrected", [("grpo", False), ("dapo", True)])
+def test_loss_and_gradient_equal_trls_with_left_padding_and_a_kl_term(builtin_model, tmp_path, loss_type,
+                                                                     corrected):
+    """Prompts of unequal lengths (left padding: TRL passes no position ids, and rotary attention depends on
+    relative positions only, so the shifted real tokens see the same attention) and beta > 0, the reference
+    being the base (adapter off) in both. The adapter keeps the policy near its base, as in training: with
+    the other tests' adapter the KL is ~1e4 a token, and the ratio-corrected KL's gradient, a difference of
+    two terms that size, keeps only float32's last digits (1e-3 apart between any two implementations)."""
+    model, tok = _policy(builtin_model, b_std=0.02)
+    rollout, rewards = _rollout(len(tok), tok.pad_token_id, prompt_lengths=(6, 2, 4))
+    assert not rollout.prompt_mask.bool().all()
+    advantages = group_advantages(rewards, G)
+    theirs_loss, theirs = _trl(model, tok, rollout, advantages, loss_type, tmp_path, 0.04, corrected)
+    ours_loss, ours = _localrl(model, rollout, advantages, loss_type, micro_batch=0, beta=0.04,
+                               use_bias_correction_kl=corrected)
+    assert ours_loss == pytest.approx(theirs_loss, rel=1e-5, abs=1e-7)
+    assert _max_rel_err(ours, theirs) < 1e-4
+    # the KL term and the padding each change the gradient here (else this case could not tell them apart)
+    without_kl = _localrl(model, rollout, advantages, loss_type, micro_batch=0)[1]
+    equal_prompts, _ = _rollout(len(tok), tok.pad_token_id)
+    unpadded = _localrl(model, equal_prompts, advantages, loss_type, micro_batch=0, beta=0.04,
+                        use_bias_correction_kl=corrected)[1]
+    assert _max_rel_err(without_kl, ours) > 1e-3 and _max_rel_err(unpadded, ours) > 1e-3
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

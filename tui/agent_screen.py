@@ -125,7 +125,7 @@ class AgentScreen(Screen):
         self.approvals = Approvals(sandbox.workdir, self.approvals_file)
         self.cancel.clear()
         self._add("user", task)
-        self._set_status(f"sandbox: {sandbox.isolation}")
+        self._set_status(f"sandbox: {sandbox.isolation}, as {sandbox.runs_as}")
         self._worker = self._run(task, sandbox, system)
 
     def action_approve(self) -> None:

@@ -12,18 +12,25 @@ episode. The episode also ends after ``max_turns`` turns, unanswered.
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import shutil
+import stat
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from localrl.agent import parse_tool_calls
-from localrl.envs.shell_tasks import FAMILIES, LEVELS, ShellTask, sample_tasks
+from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, sample_tasks
+from localrl.errors import UserError
+from localrl.rewards import failure_line
 from localrl.sandbox import Sandbox
 
 TaskSource = Callable[[int], ShellTask]  # seed -> task
+WORKDIR_PREFIX = "localrl-shell-"  # then the owning process's pid: stale ones are swept
 
 
 def generated_tasks(held_out: bool = False, families: Sequence[str] = FAMILIES,
@@ -55,6 +62,7 @@ class ShellEnv:
         self.isolation = isolation
         self.output_limit = output_limit
         self.root = root
+        sweep_stale_workdirs(root)
         self.task: ShellTask | None = None
         self.workdir: Path | None = None
         self.sandbox: Sandbox | None = None
@@ -64,10 +72,11 @@ class ShellEnv:
     def reset(self, seed: int) -> str:
         self.close()
         self.task = self.tasks(seed)
-        self.workdir = Path(tempfile.mkdtemp(prefix="localrl-shell-", dir=self.root))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=self.root))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # also at exit, Ctrl-C included
         self.task.setup(self.workdir)
         self.sandbox = Sandbox(self.workdir, timeout=self.timeout, output_limit=self.output_limit,
-                               isolation=self.isolation)
+                               isolation=self.isolation, private_workdir=True)
         self.final_text, self.stats = "", EpisodeStats()
         return self.task.instruction
 
@@ -93,12 +102,86 @@ class ShellEnv:
     def reward(self) -> float:
         if self.task is None or self.workdir is None:
             raise RuntimeError("reward() before reset()")
+        if not isinstance(self.task.check, Check):
+            disarm(self.workdir)  # a user's verifier may follow links or open FIFOs; the built-in one does neither
         return self.task.score(self.workdir, self.final_text)
 
     def close(self) -> None:
         if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            self._cleanup()
         self.workdir = self.sandbox = None
+
+
+def disarm(root: Path) -> None:
+    """Remove what the model's commands left that could make reading the tree touch the host or
+    block: FIFOs, sockets, device nodes, and links that lead outside ``root`` or nowhere."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                mode = os.lstat(path).st_mode
+                if stat.S_ISLNK(mode):
+                    target = os.path.realpath(path)
+                    inside = os.path.commonpath([target, str(root)]) == str(root)
+                    if inside and (os.path.isfile(target) or os.path.isdir(target)):
+                        continue
+                elif stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+
+
+def sweep_stale_workdirs(root: str | Path | None = None) -> None:
+    """Remove episode directories left by localrl processes that are gone (killed, crashed)."""
+    for path in Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name[len(WORKDIR_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+VERIFIER_PROBE_SECONDS = 10.0  # a verifier slower than this on one episode would stall every step
+PROBE_SOLUTIONS = 16  # expert solutions played in the preflight (about 0.1 s each); later tasks: starting files
+
+
+def probe_verifiers(spec: str, tasks: list[ShellTask], isolation: str, timeout: float) -> None:
+    """Call each of a user's tasks' verifiers once, as the trainer's preflight probes rewards: on the end state of
+    its expert solution (played in the sandbox) when it has one, for the first ``PROBE_SOLUTIONS`` such tasks,
+    else on the unchanged starting files with an empty answer. A verifier that raises, returns what is not a
+    finite number or takes more than ``VERIFIER_PROBE_SECONDS`` stops the run here, in one line naming the task."""
+    played = 0
+    for i, task in enumerate(tasks, 1):
+        named = f"tasks {spec}: task {i} ({task.instruction[:40]!r})"
+        solution = task.solution if played < PROBE_SOLUTIONS else ()
+        played += bool(solution)
+        env = ShellEnv(task_list([task]), len(solution) + 1, timeout, isolation)
+        try:
+            try:
+                env.reset(0)
+            except Exception as e:  # noqa: BLE001 - the user's starting files
+                raise UserError(f"{named}: its starting files cannot be made: {failure_line(e)}",
+                                field="env_tasks") from None
+            observation = ""
+            for command in solution:
+                observation, _ = env.step(expert_call(command))
+            final = expert_answer(observation, task) if solution else ""
+            verifier = task.check.score if isinstance(task.check, Check) else task.check
+            what = f"{named}: its verifier, on " + ("the end state of its expert solution" if solution else
+                                                     "the unchanged starting files")
+            finished, value, error = call_with_timeout(verifier, (env.workdir, final), VERIFIER_PROBE_SECONDS)
+        finally:
+            env.close()
+        if not finished:
+            raise UserError(f"{what}, did not return within {VERIFIER_PROBE_SECONDS:g} s", field="env_tasks")
+        if error is not None:
+            raise UserError(f"{what}, failed: {failure_line(error)}", field="env_tasks")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{what}, returned {value!r}, not a number", field="env_tasks") from None
+        if not math.isfinite(number):
+            raise UserError(f"{what}, returned {number}: a score must be a finite number in [0, 1]",
+                            field="env_tasks")
 
 
 def solve(env: ShellEnv, seed: int, slip: bool = False) -> tuple[float, list[tuple[str, str]]]:

@@ -22,21 +22,26 @@ content (a hash), so no held-out task is ever a training task, whatever seeds dr
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
+import math
+import os
 import random
+import stat
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.config import SHELL_FAMILIES
 from localrl.errors import UserError
-from localrl.rewards import exact_match, numeric_match
+from localrl.rewards import exact_match, failure_line, numeric_match, user_callable
 from localrl.tasks.jsonl import json_objects
 
 FAMILIES = SHELL_FAMILIES
 LEVELS = (1, 2, 3)
 HELD_OUT_ONE_IN = 10
+VERIFIER_TIMEOUT = 10.0  # seconds a user's verifier may take for one episode
 
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "amber", "cedar", "delta",
          "ember", "frost", "grape", "honey", "ivory", "jolly", "koala", "lunar", "mango", "noble", "olive", "pearl",
@@ -64,9 +69,9 @@ class Check:
             match = numeric_match if _is_number(self.answer) else exact_match
             met.append(match([final_text], [self.answer])[0] == 1.0)
         for path, content in self.files.items():
-            met.append(_read(root / path) == content.rstrip("\n"))
-        met += [not (root / path).exists() and not (root / path).is_symlink() for path in self.absent]
-        met += [(root / path).is_dir() for path in self.dirs]
+            met.append(read_inside(root, path) == content.rstrip("\n"))
+        met += [lstat_inside(root, path) is None for path in self.absent]
+        met += [(st := lstat_inside(root, path)) is not None and stat.S_ISDIR(st.st_mode) for path in self.dirs]
         return sum(met) / len(met) if met else 0.0
 
     def to_json(self) -> dict:
@@ -93,9 +98,24 @@ class ShellTask:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(content)
 
-    def score(self, root: Path, final_text: str) -> float:
-        score = self.check.score(root, final_text) if isinstance(self.check, Check) else self.check(root, final_text)
-        return min(1.0, max(0.0, float(score)))
+    def score(self, root: Path, final_text: str, timeout: float = VERIFIER_TIMEOUT) -> float:
+        """The episode's score in [0, 1]. A built-in Check cannot hang (it follows no link and reads
+        only regular files); a user's callable runs under ``timeout``: past it the episode scores 0
+        with a warning on stderr, and the step goes on. A callable that raises or returns something
+        that is not a finite number stops the run with one line naming the task."""
+        if isinstance(self.check, Check):
+            return self.check.score(root, final_text)
+        finished, value, error = call_with_timeout(self.check, (root, final_text), timeout)
+        if not finished:
+            print(f"localrl: warning: the verifier of task {self.instruction[:40]!r} ran past {timeout:g} s; "
+                  f"the episode scores 0", file=sys.stderr)
+            return 0.0
+        if error is not None:
+            raise UserError(f"the verifier of task {self.instruction[:40]!r} failed: {failure_line(error)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"the verifier of task {self.instruction[:40]!r} returned {value!r}: "
+                            f"it must return a finite number in [0, 1]")
+        return min(1.0, max(0.0, float(value)))
 
     def key(self) -> str:
         """A digest of what the agent sees: the instruction and the starting files."""
@@ -106,6 +126,23 @@ class ShellTask:
         return int(self.key()[:8], 16) % HELD_OUT_ONE_IN == 0
 
 
+def call_with_timeout(fn: Callable, args: tuple, seconds: float) -> tuple[bool, object, Exception | None]:
+    """``fn(*args)`` in a daemon thread: (finished, its value, the exception it raised). A user's function
+    that does not return is left to the process's exit: Python cannot stop a thread."""
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - the user's function: the caller reports it in one line
+            out["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive(), out.get("value"), out.get("error")
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -114,11 +151,69 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _read(path: Path) -> str | None:
+# -- reading the final working directory ---------------------------------------------------------------
+# The model's commands made this tree: a link may point at a host file (its content would leak into
+# the reward), a FIFO or /proc file may block a read forever. So nothing is followed, only regular
+# files are read, and never more than READ_LIMIT bytes.
+
+READ_LIMIT = 1 << 20
+NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _open_parent(root: Path, relative: str) -> tuple[int, str] | None:
+    """An fd of ``relative``'s parent directory inside ``root`` (no link followed) and its last name."""
+    *dirs, name = Path(relative).parts
     try:
-        return path.read_text(errors="replace").rstrip("\n") if path.is_file() else None
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | NO_FOLLOW)
     except OSError:
         return None
+    for part in dirs:
+        try:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | NO_FOLLOW, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = inner
+    return fd, name
+
+
+def lstat_inside(root: Path, relative: str) -> os.stat_result | None:
+    """``relative``'s own status (a link is a link), or None where it or a parent is missing or a link."""
+    opened = _open_parent(root, relative)
+    if opened is None:
+        return None
+    fd, name = opened
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_inside(root: Path, relative: str) -> str | None:
+    """The text of a regular file inside ``root`` (one name, not a hard link to a file elsewhere),
+    without its final newlines; None for anything else."""
+    opened = _open_parent(root, relative)
+    if opened is None:
+        return None
+    parent, name = opened
+    try:
+        fd = os.open(name, os.O_RDONLY | NO_FOLLOW, dir_fd=parent)
+    except OSError:
+        return None
+    finally:
+        os.close(parent)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > READ_LIMIT:
+            return None
+        return os.read(fd, READ_LIMIT + 1).decode(errors="replace").rstrip("\n")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _lines(lines: list[str]) -> str:
@@ -304,39 +399,108 @@ def load_tasks(spec: str) -> list[ShellTask]:
     or ``module:function`` naming a callable that returns a list of ``ShellTask``."""
     if spec.endswith(".jsonl"):
         return [_task_from_json(row, where) for where, row in json_objects(spec, "tasks")]
-    module, sep, name = spec.partition(":")
+    _, sep, name = spec.partition(":")
     if not sep:
         raise UserError(f"tasks {spec!r}: expected a .jsonl file or module:function")
+    make = user_callable(spec, "tasks", "env_tasks")
     try:
-        tasks = list(getattr(importlib.import_module(module), name)())
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"tasks {spec}: cannot load ({e})") from None
+        tasks = list(make())
+    except Exception as e:  # noqa: BLE001 - the user's function: its failure in one line
+        raise UserError(f"tasks {spec}: calling {name}() failed: {failure_line(e)}", field="env_tasks") from None
     if not tasks or not all(isinstance(t, ShellTask) for t in tasks):
-        raise UserError(f"tasks {spec}: must return a non-empty list of localrl.envs.shell_tasks.ShellTask")
+        raise UserError(f"tasks {spec}: must return a non-empty list of localrl.envs.shell_tasks.ShellTask",
+                        field="env_tasks")
     return tasks
 
 
+_TASK_FIELDS = ("instruction", "files", "check", "family", "level", "solution")
+_CHECK_FIELDS = ("answer", "files", "absent", "dirs")
+
+
 def _task_from_json(row: dict, where: str) -> ShellTask:
-    unknown = set(row) - {"instruction", "files", "check", "family", "level", "solution"}
+    """One line of a tasks file, checked field by field: ``file:line: field: what`` for the first wrong one."""
+    unknown = set(row) - set(_TASK_FIELDS)
     if unknown:
-        raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-    instruction, files, check = row.get("instruction"), row.get("files", {}), row.get("check")
+        raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r} (a task has {', '.join(_TASK_FIELDS)})")
+    instruction = row.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
-        raise UserError(f"{where}: 'instruction' must be a non-empty string")
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        raise UserError(f"{where}: 'files' must map relative paths to text contents")
-    for path in [*files, *(check or {}).get("files", {}), *(check or {}).get("absent", []),
-                 *(check or {}).get("dirs", [])]:
-        if not isinstance(path, str) or not _relative(path):
-            raise UserError(f"{where}: path {path!r} must be relative and stay inside the working directory")
-    if not isinstance(check, dict) or not check or set(check) - {"answer", "files", "absent", "dirs"}:
-        raise UserError(f"{where}: 'check' must be an object with some of answer, files, absent, dirs")
+        raise UserError(f"{where}: instruction: must be a non-empty string (got {_shown(instruction)})")
+    files = _path_map(row.get("files", {}), where, "files")
+    _no_file_inside_a_file(files, where)
+    check = row.get("check")
+    if not isinstance(check, dict) or not check or set(check) - set(_CHECK_FIELDS):
+        raise UserError(f"{where}: check: must be an object with some of {', '.join(_CHECK_FIELDS)} "
+                        f"(got {_shown(check)})")
     answer = check.get("answer")
-    if answer is not None and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)):
-        raise UserError(f"{where}: check 'answer' must be a string or a number")
-    return ShellTask(instruction, files, Check(None if answer is None else str(answer), dict(check.get("files", {})),
-                                               tuple(check.get("absent", ())), tuple(check.get("dirs", ()))),
-                     str(row.get("family", "user")), int(row.get("level", 0)), tuple(row.get("solution", ())))
+    if answer is not None and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)
+                               or isinstance(answer, float) and not math.isfinite(answer)):
+        raise UserError(f"{where}: check.answer: must be a string or a finite number (got {_shown(answer)})")
+    expected = _path_map(check.get("files", {}), where, "check.files")
+    absent = _path_list(check.get("absent", []), where, "check.absent")
+    dirs = _path_list(check.get("dirs", []), where, "check.dirs")
+    family = row.get("family", "user")
+    if not isinstance(family, str) or not family.strip():
+        raise UserError(f"{where}: family: must be a non-empty string (got {_shown(family)})")
+    level = row.get("level", 0)
+    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+        raise UserError(f"{where}: level: must be a whole number, 0 or more (got {_shown(level)})")
+    solution = row.get("solution", [])
+    if not isinstance(solution, list) or not all(isinstance(c, str) and c.strip() for c in solution):
+        raise UserError(f"{where}: solution: must be a list of shell commands, each a non-empty string "
+                        f"(got {_shown(solution)})")
+    return ShellTask(instruction, files, Check(None if answer is None else str(answer), expected, absent, dirs),
+                     family, level, tuple(solution))
+
+
+def _shown(value) -> str:
+    """A JSON value as an error shows it (shortened); a missing one as "nothing"."""
+    if value is None:
+        return "nothing"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _path_map(value, where: str, name: str) -> dict[str, str]:
+    """A JSON object of relative path -> text content (``files``, ``check.files``)."""
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {name}: must be an object mapping relative paths to text contents "
+                        f"(got {_shown(value)})")
+    for path, content in value.items():
+        _check_path(path, where, name)
+        if not isinstance(content, str):
+            raise UserError(f"{where}: {name}: the content of {path!r} must be a string (got {_shown(content)})")
+    return dict(value)
+
+
+def _path_list(value, where: str, name: str) -> tuple[str, ...]:
+    """A JSON list of relative paths (``check.absent``, ``check.dirs``)."""
+    if not isinstance(value, list):
+        raise UserError(f"{where}: {name}: must be a list of relative paths (got {_shown(value)})")
+    for path in value:
+        _check_path(path, where, name)
+    return tuple(value)
+
+
+def _check_path(path, where: str, name: str) -> None:
+    if not isinstance(path, str) or not _relative(path):
+        raise UserError(f"{where}: {name}: path {path!r} must be relative and stay inside the working directory")
+
+
+def _no_file_inside_a_file(files: dict[str, str], where: str) -> None:
+    """Starting files that cannot all be made: ``a`` a file and ``a/b`` inside it, or one path twice."""
+    seen: dict[tuple[str, ...], str] = {}
+    for path in files:
+        parts = Path(path).parts
+        if parts in seen:
+            raise UserError(f"{where}: files: {seen[parts]!r} and {path!r} are the same path")
+        seen[parts] = path
+    for path in files:
+        if path.endswith("/"):
+            continue  # an empty directory: others may be inside it
+        parts = Path(path).parts
+        for other in files:
+            if other != path and Path(other).parts[:len(parts)] == parts:
+                raise UserError(f"{where}: files: {path!r} is a file, so {other!r} cannot be inside it")
 
 
 def _relative(path: str) -> bool:
