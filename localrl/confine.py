@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
-import signal
+import _signal as signal  # (the signal module imports enum: twice this file's start-up)
 import stat
 import struct
 import sys
@@ -87,6 +86,7 @@ METADATA = {  # refused to commands that stay root on the landlock and process l
     "setxattr": (188, 5), "lsetxattr": (189, 6), "fsetxattr": (190, 7), "removexattr": (197, 14),
     "lremovexattr": (198, 15), "fremovexattr": (199, 16), "setxattrat": (463, 463), "removexattrat": (466, 466),
 }
+MACHINE = os.uname().machine  # (not the platform module: importing it costs more than the rest of this file)
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
@@ -113,7 +113,7 @@ class Stop(Exception):
 
 
 def nr(table: dict, name: str) -> int | None:
-    return table[name][0 if platform.machine() == "x86_64" else 1]
+    return table[name][0 if MACHINE == "x86_64" else 1]
 
 
 def libc_handle():
@@ -159,7 +159,7 @@ def seccomp_program(unix_sockets_only: bool, no_metadata: bool) -> bytes:
                                     (RET, 0, 0, ALLOW), errno(EPERM)]))
     if unix_sockets_only:
         blocks.append((nr(SYSCALLS, "socket"), [arg(0), (JEQ, 0, 1, AF_UNIX), (RET, 0, 0, ALLOW), errno(EACCES)]))
-    program = [(LD, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH[platform.machine()]), errno(EPERM),  # another ABI: refuse
+    program = [(LD, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH[MACHINE]), errno(EPERM),  # another ABI: refuse
                (LD, 0, 0, 0), (JGE, 0, 1, 0x40000000), errno(EPERM)]  # the syscall number; x32 calls refused
     for number, block in blocks:
         program += [(JEQ, 0, len(block), number), *block]  # a block's own loads end in its returns

@@ -53,6 +53,7 @@ for commands a person has approved.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import stat
@@ -61,6 +62,8 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -282,6 +285,16 @@ def descendants(root_pid: int) -> set[int]:
     return found
 
 
+def _exit_waiter(proc: subprocess.Popen) -> Callable[[float], None]:
+    """A wait for ``proc``'s end of at most the given seconds that returns at once when it ends (a pidfd)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # older kernels: poll
+        return lambda seconds: time.sleep(seconds) if proc.poll() is None else None
+    finalizer = weakref.finalize(proc, os.close, fd)
+    return lambda seconds: select.select([fd], [], [], seconds) if finalizer.alive else None
+
+
 class Sandbox:
     def __init__(self, workdir: str | Path, timeout: float = 30.0, output_limit: int = 16_000,
                  max_file_bytes: int = 64 * 2**20, max_disk_bytes: int = 256 * 2**20,
@@ -350,22 +363,16 @@ class Sandbox:
         reader = threading.Thread(target=drain, daemon=True)
         reader.start()
         timed_out = over_disk = False
-        next_disk_check = 0.0
+        exited = _exit_waiter(proc)
         while proc.poll() is None:
-            now = time.monotonic()
-            if now - t0 > self.timeout:
+            if time.monotonic() - t0 > self.timeout:
                 timed_out = True
                 break
-            if now >= next_disk_check:
-                pids = group.pids() if group is not None else descendants(proc.pid)
-                if disk_usage(self.workdir, pids) > self.max_disk_bytes:
-                    over_disk = True
-                    break
-                next_disk_check = now + 0.02
-            try:
-                proc.wait(timeout=0.02)
-            except subprocess.TimeoutExpired:
-                pass
+            pids = group.pids() if group is not None else descendants(proc.pid)
+            if disk_usage(self.workdir, pids) > self.max_disk_bytes:
+                over_disk = True
+                break
+            exited(0.02)  # returns as soon as the command ends: a short command costs no polling delay
         self._stop(proc, group)
         reader.join(timeout=5)
         truncated = state["seen"] > len(head) + len(tail)
