@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from localrl.agent import parse_calls, without_tool_calls
+from localrl.agent import parse_calls, tool_response, without_tool_calls
 from localrl.errors import UserError
 from localrl.quant.gguf_info import read_gguf_info
 from localrl.quant.runtime import require_llama_cpp_server
@@ -385,6 +385,63 @@ def served_hosts(host: str, allowed: tuple[str, ...] = ()) -> tuple[frozenset[st
     if wildcard or is_loopback(host):
         names |= LOOPBACK_NAMES
     return frozenset(names), wildcard
+
+
+class ToolMessages:
+    """ASGI middleware: the messages of an OpenAI tool loop as the model learned them. A client sends back the
+    assistant's turn exactly as it came (``content`` null or absent, ``tool_calls`` set), then ``tool`` messages
+    with the results. llama-cpp-python's request models refuse a null content, and a chat template without tool
+    support renders neither field. So, for a template that does not render ``tool_calls``, an assistant turn
+    gets its calls back as the ``<tool_call>`` blocks the model wrote (what ToolCalls took out of its reply),
+    and, for one without a ``tool`` role, a tool result becomes the user turn in ``<tool_response>`` tags that
+    localrl's agents are trained on. A null or absent content becomes empty text.
+    """
+
+    def __init__(self, app, template: str) -> None:
+        self.app = app
+        self.renders_calls = "tool_calls" in template
+        self.tool_role = bool(re.search(r"""['"]tool['"]""", template))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") != CHAT:
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        messages = request.get("messages") if isinstance(request, dict) else None
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            rewritten = [self.message(m) for m in messages]
+            if rewritten != messages:
+                body = json.dumps({**request, "messages": rewritten}).encode()
+        await self.app(scope, _replayer(body, receive), send)
+
+    def message(self, m: dict) -> dict:
+        if m.get("role") == "assistant":
+            calls = m.get("tool_calls") or []
+            content = m.get("content") if isinstance(m.get("content"), str) else ""
+            if calls and not self.renders_calls:
+                content += "".join(f"<tool_call>{json.dumps(_call_of(c))}</tool_call>" for c in calls)
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+            return {**m, "content": content}
+        if m.get("role") == "tool" and not self.tool_role and isinstance(m.get("content"), str):
+            return tool_response(m["content"])
+        return m
+
+
+def _call_of(call) -> dict:
+    """An OpenAI ``tool_calls`` entry as the model writes it: ``{"name": ..., "arguments": {...}}``."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return {"name": "", "arguments": {}}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {"name": function.get("name", ""), "arguments": arguments}
 
 
 class ToolCalls:
@@ -759,7 +816,9 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         _drop_cors(app)
         # the loaded model, for the checks that need its vocabulary (None if llama-cpp-python moves it)
         proxy = getattr(server_app, "_llama_proxy", None)
-        app = ValidateRequests(ToolCalls(app), proxy() if proxy is not None else None, p.stem, n_ctx)
+        llama = proxy() if proxy is not None else None
+        template = (llama.metadata.get("tokenizer.chat_template", "") if llama is not None else "") or ""
+        app = ToolMessages(ValidateRequests(ToolCalls(app), llama, p.stem, n_ctx), template)
         app = GuardErrors(Gate(app, *served_hosts(host, allowed_hosts), api_key or None, max_body_bytes, cors_origins))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
         log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "

@@ -101,6 +101,51 @@ def open_server(tiny_gguf, tmp_path_factory):
                       "--allowed-host", "models.example", "--max-body-bytes", str(6 << 20))
 
 
+SHELL_TOOLS = [{"type": "function", "function": {"name": "shell", "description": "run a shell command",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "command": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    """The built-in agent (tiny-shell) exported and served without a key."""
+    from localrl.models import builtin_path
+
+    gguf = tmp_path_factory.mktemp("agent-gguf") / "tiny-shell.gguf"
+    export(builtin_path("tiny-shell"), gguf, "f16", check=False, log=lambda *_: None)
+    yield from _serve(gguf, tmp_path_factory)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("shape", ["as-returned", "content-absent", "content-empty"])
+def test_the_official_openai_client_completes_a_two_turn_tool_loop(agent_server, shape, stream):
+    """Turn 1 asks for a command; the client sends the assistant message back (as the client returned it,
+    its content left out, or empty) with a ``tool`` message holding the command's output; turn 2 answers."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=agent_server, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "How many lines are in maple.txt?"}]
+    first = client.chat.completions.create(model="tiny-shell", messages=messages, tools=SHELL_TOOLS, max_tokens=48,
+                                           temperature=0)
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    assert message.content in (None, "") and "maple.txt" in call.function.arguments
+    assistant = {"as-returned": message, "content-absent": message.model_dump(exclude_none=True),
+                 "content-empty": {**message.model_dump(exclude_none=True), "content": ""}}[shape]
+    if shape == "content-absent":
+        assert "content" not in assistant
+    messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": "7\n[exit code 0]"}]
+    second = client.chat.completions.create(model="tiny-shell", messages=messages, tools=SHELL_TOOLS, max_tokens=48,
+                                            temperature=0, stream=stream)
+    if stream:
+        chunks = list(second)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
+    else:
+        text, finish = second.choices[0].message.content, second.choices[0].finish_reason
+    assert finish == "stop" and "<answer>7</answer>" in text, (finish, text, call.function.arguments)
+
+
 def test_an_agents_tool_calls_come_back_in_openais_tool_calls_field(tmp_path_factory):
     from localrl.models import builtin_path
 

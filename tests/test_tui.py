@@ -150,6 +150,68 @@ def test_attach_watches_a_run_started_elsewhere(tmp_path):
     run(go())
 
 
+@pytest.mark.parametrize("fields", [{"beta": 0.0}, {"env": "shell", "model": "tiny-shell", "max_new_tokens": 48}],
+                         ids=["beta-0", "env-shell"])
+def test_attach_survives_every_record_of_runs_whose_kl_is_null(tmp_path, fields):
+    """A --beta 0 run and an agent run write ``"kl": null`` in every step (and the agent run's evaluations
+    count successes): the charts skip what is missing, and the app lives to show the whole run."""
+    from localrl.config import TrainConfig
+    from localrl.metrics import read_metrics
+    from localrl.runs import Run
+    from localrl.trainer import train
+
+    cfg = TrainConfig(**{"steps": 2, "prompts_per_step": 2, "group_size": 2, "eval_size": 4,
+                         "run_dir": str(tmp_path / "run"), **fields})
+    train(cfg, log=lambda *_: None)
+    records = [r for r in read_metrics(Run(tmp_path / "run").metrics_path) if r["kind"] == "train"]
+    if fields.get("beta") == 0.0:
+        assert records and all(r.get("kl") is None for r in records)  # what made the app die
+
+    async def go():
+        app = LocalRLApp(attach=tmp_path / "run", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            await wait_for(pilot, lambda: len(screen.query_one("#chart-reward_mean", MetricChart).values) == 2,
+                           timeout=10)
+            if fields.get("beta") == 0.0:
+                assert screen.query_one("#chart-kl", MetricChart).values == []
+            bar = screen.query_one("#progress")
+            assert (bar.total, bar.progress) == (2, 2) and "attached" in screen.status
+            assert "eval after" in str(screen.query_one("#run-status").render())
+
+    run(go())
+
+
+def test_attach_survives_records_with_null_and_missing_fields(tmp_path):
+    """Every record kind, with its optional fields null or left out: nothing the run writes kills the app."""
+    from localrl.config import TrainConfig, to_toml
+    from localrl.runs import Run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(to_toml(TrainConfig(run_dir=str(run_dir), steps=3)))
+    records = [{"kind": "status", "message": "loading"}, {"kind": "status", "message": "evaluating", "done": None,
+                                                         "total": None},
+               {"kind": "eval", "when": "before", "accuracy": None}, {"kind": "eval", "when": "before"},
+               {"kind": "train", "step": 1, "reward_mean": 0.5, "kl": None, "loss": None, "rewards": {"a": None}},
+               {"kind": "train", "step": 2, "reward_mean": None, "accuracy": 0.5, "rewards": {}},
+               {"kind": "warning", "message": "no learning signal"}, {"kind": "checkpoint"},
+               {"kind": "train", "step": 3, "reward_mean": 1.0, "kl": 0.01, "ece": None}]
+    Run(run_dir).metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    async def go():
+        app = LocalRLApp(attach=run_dir, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            await wait_for(pilot, lambda: len(screen.query_one("#chart-reward_mean", MetricChart).values) == 2,
+                           timeout=10)
+            assert screen.query_one("#chart-kl", MetricChart).values == [0.01]
+            assert screen.query_one("#progress").progress == 3
+            assert "warning" in str(screen.query_one("#run-status").render())
+
+    run(go())
+
+
 # -- Chat ----------------------------------------------------------------------------------
 
 

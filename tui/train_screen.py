@@ -43,7 +43,9 @@ def reward_line(train: list[dict], width: int = 12) -> str:
     """Each reward's mean in the latest step, after a sparkline of its last ``width`` steps."""
     parts = []
     for name in train[-1]["rewards"]:
-        values = [r["rewards"][name] for r in train[-width:] if name in r.get("rewards", {})]
+        values = [r["rewards"][name] for r in train[-width:] if _number((r.get("rewards") or {}).get(name))]
+        if not values:
+            continue
         lo, hi = min(values), max(values)
         bars = "".join(SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in values)
         parts.append(f"{name} {bars} {values[-1]:.3g}")
@@ -51,6 +53,10 @@ def reward_line(train: list[dict], width: int = 12) -> str:
 
 
 SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainConfig]:
@@ -250,14 +256,16 @@ class TrainScreen(Screen):
         self.status = text
         status = self.query_one("#run-status", Static)
         warnings = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "warning"]
-        warning = f"\nwarning at step {warnings[-1]['step']}: {warnings[-1]['message']}" if warnings else ""
+        warning = (f"\nwarning at step {warnings[-1].get('step', '?')}: {warnings[-1].get('message', '')}"
+                   if warnings else "")
         status.update(text + (f": {self.phase}" if self.phase else "") + self._eval_summary() + warning)
         status.set_class(error, "-error")
 
     def _eval_summary(self) -> str:
         evals = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "eval"]
-        return "".join(f"  eval {r['when']}: {r['accuracy']:.1%}" + (f" (ECE {r['ece']:.3f})" if "ece" in r else "")
-                       for r in evals)
+        return "".join(f"  eval {r.get('when', '?')}: {r['accuracy']:.1%}" +
+                       (f" (ECE {r['ece']:.3f})" if _number(r.get("ece")) else "")
+                       for r in evals if _number(r.get("accuracy")))
 
     # -- the watcher (one redraw per tick, however much arrived) ------------------------
 
@@ -272,8 +280,8 @@ class TrainScreen(Screen):
             self.total_steps = Run(self.run_dir).total_steps()
         records = self.follower.records
         train = [r for r in records if r.get("kind") == "train"]
-        for chart in self.query(MetricChart):
-            chart.set_values([float(r[chart.key]) for r in train if chart.key in r])
+        for chart in self.query(MetricChart):  # a field can be null (kl at beta 0) or absent: no point then
+            chart.set_values([float(r[chart.key]) for r in train if _number(r.get(chart.key))])
         means = self.query_one("#reward-means", Static)
         means.display = bool(train and train[-1].get("rewards"))
         if means.display:
@@ -281,13 +289,14 @@ class TrainScreen(Screen):
         bar = self.query_one("#progress", ProgressBar)
         last = records[-1] if records else {}
         if last.get("kind") == "status":  # loading, or evaluating: say so, with the evaluation's progress
-            progress = f" {last['done']}/{last['total']}" if last.get("total") else ""
-            self.phase = last["message"] + progress
-            if last.get("total"):
+            counted = _number(last.get("total")) and last["total"] and _number(last.get("done"))
+            self.phase = last.get("message", "") + (f" {last['done']}/{last['total']}" if counted else "")
+            if counted:
                 bar.update(total=last["total"], progress=last["done"])
         else:
             self.phase = ""
-            bar.update(total=self.total_steps or None, progress=train[-1]["step"] if train else 0)
+            steps = [r["step"] for r in train if _number(r.get("step"))]
+            bar.update(total=self.total_steps or None, progress=steps[-1] if steps else 0)
         self._set_status(self.status, self.query_one("#run-status").has_class("-error"))
 
     def on_unmount(self) -> None:
