@@ -161,6 +161,9 @@ def test_the_process_finder_sees_a_live_child(tmp_path):
     seconds = unique_seconds()
     proc = subprocess.Popen(["sleep", seconds])
     try:
+        deadline = time.monotonic() + 5
+        while not processes_running(seconds) and time.monotonic() < deadline:  # until the child has exec'd sleep
+            time.sleep(0.01)
         assert processes_running(seconds) == [proc.pid]
     finally:
         proc.kill()
