@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -146,10 +147,12 @@ class AgentRollout:
 
 def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, max_new_tokens: int,
                  stop_ids: list[int], temperature: float, generator: torch.Generator | None = None,
-                 max_context: int = 2048, workers: int = 8, system: str | None = None) -> AgentRollout:
+                 max_context: int = 2048, workers: int = 8, system: str | None = None,
+                 on_turn: Callable[[int], None] | None = None) -> AgentRollout:
     """``group_size`` episodes of each task (``task_seeds``: one environment seed per task; a group's
     episodes share it and so their task and prompt). ``make_env()`` builds one environment; ``system``: the
-    system message every episode starts with (None: none)."""
+    system message every episode starts with (None: none); ``on_turn(finished)`` after each round of turns:
+    how many episodes have ended (for progress)."""
     t0 = time.monotonic()
     fmt = TurnFormat(tok, system)
     episodes: list[Episode] = []
@@ -193,6 +196,8 @@ def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, m
                 e.tokens += between
                 e.own += [0] * len(between)
                 e.observations.append(observation)
+            if on_turn is not None:
+                on_turn(sum(e.done for e in episodes))
     rewards = []
     for e in episodes:
         e.reward = e.env.reward()

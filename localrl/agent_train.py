@@ -28,6 +28,7 @@ from localrl.envs.shell_tasks import FAMILIES, LEVELS, ShellTask, held_out_tasks
 from localrl.errors import UserError
 from localrl.grpo import update
 from localrl.memory import peak_memory_mb
+from localrl.metrics import item_progress
 from localrl.sandbox import level_works, strongest_level
 
 
@@ -143,12 +144,14 @@ def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list
     model.eval()
     by_family: dict[str, list[float]] = defaultdict(list)
     rewards, turns, calls, invalid, shown = [], 0.0, 0.0, 0.0, []
+    progress = item_progress(progress)
     for i in range(0, len(tasks), batch_size):
         if progress is not None:
             progress(i, len(tasks))
         chunk = tasks[i:i + batch_size]
+        ended = None if progress is None else (lambda finished, i=i: progress(i + finished, len(tasks)))
         out = run_episodes(model, tok, lambda: setup.make_env(task_list(chunk)), list(range(len(chunk))), 1,
-                           cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, setup.system)
+                           cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, setup.system, ended)
         for task, episode in zip(chunk, out.episodes):
             by_family[task.family].append(episode.reward)
             if len(shown) < samples:

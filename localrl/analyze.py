@@ -49,6 +49,11 @@ class Fit:
     def predict(self, c) -> np.ndarray:
         return sigmoid_curve(c, self.r0, self.a, self.b, self.c_mid)
 
+    def pins_asymptote(self, c: np.ndarray) -> bool:
+        """Whether the data reach the curve's midpoint: before it, a rise fits any asymptote (a straight line
+        is the start of a sigmoid with A anywhere), and A is a guess, not a measurement."""
+        return bool(np.isfinite(self.a) and self.c_mid <= float(np.max(c)))
+
 
 def _linear_part(c: np.ndarray, y: np.ndarray, b: np.ndarray, c_mid: np.ndarray):
     """For arrays of (B, C_mid) [K]: the least-squares (R0, A) of each and its sum of squared residuals.
@@ -96,7 +101,7 @@ def _nelder_mead(f, x0: np.ndarray, step: np.ndarray, iters: int = 200) -> np.nd
 
 
 def fit_sigmoid(c, y) -> Fit:
-    """The least-squares sigmoid through points (C, R), C > 0."""
+    """The least-squares sigmoid through points (C, R), C > 0, its midpoint within a decade of the data."""
     c, y = np.asarray(c, dtype=float), np.asarray(y, dtype=float)
     lo, hi = np.log(c.min()), np.log(c.max())
     # a grid over log C_mid (a decade beyond the data each side) and log B, then a local refinement
@@ -109,7 +114,12 @@ def fit_sigmoid(c, y) -> Fit:
     def objective(x: np.ndarray) -> float:
         return float(_linear_part(c, y, np.exp(x[1:2]), np.exp(x[0:1]))[2][0])
 
-    x = _nelder_mead(objective, np.array([gc[best], gb[best]]), np.array([0.2, 0.2]))
+    box = np.array([[grid_c[0], grid_b[0]], [grid_c[-1], grid_b[-1]]])
+
+    def bounded(x: np.ndarray) -> float:  # the refinement stays where the grid looked: beyond it A runs off
+        return objective(x) if np.all((box[0] <= x) & (x <= box[1])) else np.inf
+
+    x = _nelder_mead(bounded, np.array([gc[best], gb[best]]), np.array([0.2, 0.2]))
     r0, a, sse = _linear_part(c, y, np.exp(x[1:2]), np.exp(x[0:1]))
     return Fit(float(r0[0]), float(a[0]), float(np.exp(x[1])), float(np.exp(x[0])), float(np.sqrt(sse[0] / len(c))))
 
@@ -123,7 +133,11 @@ def bootstrap(c, y, samples: int = 200, seed: int = 0) -> dict[str, tuple[float,
         idx = rng.integers(0, len(c), len(c))
         if len(np.unique(c[idx])) < MIN_POINTS - 1:
             continue
-        fits.append(fit_sigmoid(c[idx], y[idx]))
+        fit = fit_sigmoid(c[idx], y[idx])
+        if fit.pins_asymptote(c[idx]):  # a resample that ends before the midpoint measures nothing of A
+            fits.append(fit)
+    if not fits:
+        return {name: (np.nan, np.nan) for name in ("r0", "a", "b", "c_mid")}
     out = {}
     for name in ("r0", "a", "b", "c_mid"):
         values = np.array([getattr(f, name) for f in fits])
@@ -144,6 +158,11 @@ class RunCurve:
     steps_planned: int
     compute_planned: float  # at the configured end, extrapolated at the run's mean compute a step
     predicted_end: float
+
+    @property
+    def fits(self) -> bool:
+        """Whether the fit measures an asymptote (``Fit.pins_asymptote``)."""
+        return self.fit.pins_asymptote(self.compute)
 
 
 def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = "tokens"):
@@ -173,15 +192,20 @@ def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = 
 def analyze_run(run_dir: str | Path, metric: str = "reward_mean", compute: str = "tokens",
                 samples: int = 200) -> RunCurve:
     c, y, planned = run_points(run_dir, metric, compute)
-    fit = fit_sigmoid(c, y)
+    with np.errstate(all="ignore"):  # a hopeless candidate curve overflows on the way; the fit says so itself
+        fit = fit_sigmoid(c, y)
+        intervals = bootstrap(c, y, samples) if fit.pins_asymptote(c) else {}
     per_step = c[-1] / len(c)
     end = per_step * planned if compute != "steps" else float(planned)
-    return RunCurve(Path(run_dir).name, c, y, fit, bootstrap(c, y, samples), len(c), planned, end,
-                    float(fit.predict([end])[0]))
+    return RunCurve(Path(run_dir).name, c, y, fit, intervals, len(c), planned, end, float(fit.predict([end])[0]))
 
 
 def describe(curve: RunCurve, metric: str, compute: str) -> str:
     f, iv, unit = curve.fit, curve.intervals, COMPUTE[compute]
+    if not curve.fits:
+        return (f"{curve.name}: {curve.steps_done} steps; {metric} has not reached the middle of its rise yet "
+                f"(last 5 steps: {np.mean(curve.values[-5:]):.4g}), so no asymptote can be estimated from it: "
+                f"train longer, then analyze again")
 
     def row(label: str, value: float, key: str, fmt: str) -> str:
         lo, hi = iv[key]
@@ -192,7 +216,8 @@ def describe(curve: RunCurve, metric: str, compute: str) -> str:
         row("A (asymptote)", f.a, "a", ".4g"),
         row("B (exponent)", f.b, "b", ".3g"),
         row("C_mid", f.c_mid, "c_mid", ",.4g"),
-        row("R0", f.r0, "r0", ".4g"),
+        row("R0", f.r0, "r0", ".4g") if f.c_mid >= curve.compute[0] else
+        "  R0             not measured: the curve's midpoint lies before the first step",
         f"  residual rms   {f.rms:.4g}",
         f"  predicted at the configured end ({curve.steps_planned} steps, {curve.compute_planned:,.0f} {unit}): "
         f"{curve.predicted_end:.4g}" + ("" if curve.steps_done < curve.steps_planned else " (the run is complete)"),
@@ -206,7 +231,10 @@ def plot_curves(curves: list[RunCurve], out: str | Path, metric: str, compute: s
     fig, ax = pyplot().subplots(figsize=(7, 4), dpi=110)
     for i, curve in enumerate(curves):
         color = f"C{i}"
-        ax.plot(curve.compute, curve.values, "o", ms=3, alpha=0.45, color=color)
+        ax.plot(curve.compute, curve.values, "o", ms=3, alpha=0.45, color=color,
+                label=None if curve.fits else f"{curve.name}: no asymptote yet")
+        if not curve.fits:
+            continue
         grid = np.geomspace(curve.compute[0], max(curve.compute[-1], curve.compute_planned) * 3, 200)
         f = curve.fit
         ax.plot(grid, f.predict(grid), color=color,

@@ -17,6 +17,17 @@ import torch
 
 from localrl.errors import UserError
 
+MIN_REPLY_TOKENS = 16  # a conversation fits a context only if this much room is left for the reply
+
+
+class ContextFull(UserError):
+    """The conversation does not fit the model's context (``context`` tokens)."""
+
+    def __init__(self, message: str, context: int | None = None):
+        super().__init__(message)
+        self.context = context
+
+
 class ChatModel(Protocol):
     name: str
 
@@ -46,7 +57,8 @@ class GGUFChat:
         except StopIteration:
             return
         except ValueError as e:  # llama-cpp-python: "Requested tokens (N) exceed context window of M"
-            raise UserError(f"chat: the conversation no longer fits {self.name}'s context ({e})") from None
+            raise ContextFull(f"chat: the conversation no longer fits {self.name}'s context ({e})",
+                              self.llm.n_ctx()) from None
         for chunk in itertools.chain([first], chunks):
             if cancel is not None and cancel.is_set():
                 chunks.close()
@@ -79,11 +91,11 @@ class TorchChat:
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([self.tok(text, add_special_tokens=False)["input_ids"]])
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if context and ids.size(1) >= context:
-            raise UserError(f"chat: the conversation is {ids.size(1)} tokens, more than {self.name}'s context of "
-                            f"{context}")
+        if context and ids.size(1) + MIN_REPLY_TOKENS > context:
+            raise ContextFull(f"chat: the conversation is {ids.size(1)} tokens, too many for {self.name}'s context "
+                              f"of {context}", context)
         past, generated, shown = None, [], ""
-        for _ in range(max_tokens):
+        for _ in range(min(max_tokens, context - ids.size(1)) if context else max_tokens):
             if cancel is not None and cancel.is_set():
                 return
             out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
@@ -113,13 +125,42 @@ def open_chat_model(source: str | Path, n_ctx: int = 0) -> ChatModel:
     return TorchChat(source)
 
 
+def stream_fitted(model: ChatModel, messages: list[dict], on_drop=None, **kwargs) -> Iterator[str]:
+    """``model.stream(messages, **kwargs)``; while the conversation does not fit the model's context, its
+    oldest exchange (after any system message) is dropped from ``messages`` and ``on_drop(context)`` called
+    (the last message is never dropped: alone too long, it is ContextFull). Both models raise ContextFull
+    before their first piece of text, so nothing is shown twice."""
+    while True:
+        try:
+            yield from model.stream(messages, **kwargs)
+            return
+        except ContextFull as e:
+            first = 1 if messages and messages[0]["role"] == "system" else 0
+            if len(messages) - first <= 1:
+                raise
+            del messages[first:first + 2 if len(messages) - first > 2 else first + 1]  # a user turn, its reply
+            if on_drop is not None:
+                on_drop(e.context)
+
+
 def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, system: str | None = None,
-                  temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+                  temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+                  stderr: TextIO = sys.stderr) -> None:
     """A plain streaming chat with a GGUF, a run or a model: one user line per turn; an empty
-    line, EOF or /exit ends it."""
+    line, EOF or /exit ends it. When the conversation outgrows the model's context its oldest turns are
+    dropped, said once on ``stderr`` (where the banner goes too: ``stdout`` holds only the replies)."""
     model = open_chat_model(source, n_ctx)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
+    stderr.write(f"chatting with {model.name} (temperature {temperature:g}, up to {max_tokens} tokens a reply); "
+                 f"an empty line, /exit or Ctrl-D ends\n")
+    dropped = []
+
+    def say_once(context: int | None) -> None:
+        if not dropped:
+            stderr.write(f"[the conversation outgrew {model.name}'s context"
+                         + (f" of {context} tokens" if context else "") + ": its oldest turns are dropped from now on]\n")
+        dropped.append(context)
     while True:
         if interactive:
             stdout.write("> ")
@@ -129,7 +170,7 @@ def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, sys
             break
         messages.append({"role": "user", "content": line.rstrip("\n")})
         reply = []
-        for delta in model.stream(messages, max_tokens=max_tokens, temperature=temperature):
+        for delta in stream_fitted(model, messages, say_once, max_tokens=max_tokens, temperature=temperature):
             reply.append(delta)
             stdout.write(delta)
             stdout.flush()

@@ -19,13 +19,15 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from localrl.config import FIELDS, build_config, fields_help, split_overrides
+from localrl.config import FIELDS, build_config, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
+from localrl.metrics import eta_seconds, format_duration
 
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
@@ -39,13 +41,14 @@ class ProgressBar:
     evaluation's progress, then steps with reward, accuracy, KL and an ETA."""
 
     def __init__(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), transient=False)
+                                 TextColumn("{task.fields[stats]}"), _eta_column(), transient=False)
         self.console = self.progress.console
         self.total = total
         self.tasks: dict[str, int] = {}
+        self.steps: list[dict] = []  # the train records seen, for the ETA
 
     def log(self, text: str) -> None:
         """A line above the bar, as written: not rich markup ("pip install 'localrl[llama]'" keeps its brackets)."""
@@ -53,7 +56,8 @@ class ProgressBar:
 
     def _task(self, key: str, description: str, total: int, completed: int = 0) -> int:
         if key not in self.tasks:
-            self.tasks[key] = self.progress.add_task(description, total=total, completed=completed, stats="")
+            self.tasks[key] = self.progress.add_task(description, total=total, completed=completed, stats="",
+                                                     eta=None)
             if not self.progress.live.is_started:
                 self.progress.start()
         return self.tasks[key]
@@ -75,11 +79,29 @@ class ProgressBar:
             else:
                 kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
                 stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
-            self.progress.update(task, completed=record["step"], stats=stats)
+            self.steps.append(record)
+            self.progress.update(task, completed=record["step"], stats=stats, eta=eta_seconds(self.steps, self.total))
 
     def close(self) -> None:
         if self.progress.live.is_started:
             self.progress.stop()
+
+
+def _eta_column():
+    """The time left: a training bar's from the run's measured step times (``metrics.eta_seconds``: steps of
+    minutes get an ETA too), any other bar's from rich's recent speed."""
+    from rich.progress import ProgressColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class EtaColumn(ProgressColumn):
+        fallback = TimeRemainingColumn()
+
+        def render(self, task):
+            if task.fields.get("eta") is None:
+                return self.fallback.render(task)
+            return Text(format_duration(task.fields["eta"]), style="progress.remaining")
+
+    return EtaColumn()
 
 
 def _eval_line(r: dict) -> str:
@@ -112,14 +134,17 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         return 130 if result.interrupted else 0
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
     before, after = result.eval_before, result.eval_after
-    if before and after and cfg.env:
-        delta = 100 * (after["accuracy"] - before["accuracy"])
-        print(f"held-out success ({after['n']} tasks, greedy episodes): "
-              f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
-    elif before and after:
-        delta = 100 * (after["accuracy"] - before["accuracy"])
-        print(f"held-out accuracy ({after['n']} problems, greedy pass@1): "
-              f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+    if before and after:
+        what = "success" if cfg.env else "accuracy"
+        items, how = ("tasks", "greedy episodes") if cfg.env else ("problems", "greedy pass@1")
+        if before["n"] == after["n"]:
+            delta = 100 * (after["accuracy"] - before["accuracy"])
+            print(f"held-out {what} ({after['n']} {items}, {how}): "
+                  f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+        else:  # a resume with another --eval-size: two different sets, so no difference is claimed
+            print(f"held-out {what} ({how}): before {before['accuracy']:.1%} on {before['n']} {items} -> after "
+                  f"{after['accuracy']:.1%} on {after['n']} {items} (different sets: not comparable; "
+                  f"`localrl eval` both on one set)")
     return 130 if result.interrupted else 0
 
 
@@ -325,17 +350,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
     budget = parse_bytes(args.budget, "budget", "plan: --budget") if args.budget else None
     shape = read_shape(args.model)
-    dtype_bytes = 2 if args.device == "cuda" else 4
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_bytes = 2 if device == "cuda" else 4
     quantize = "none" if args.no_4bit else args.quantize
     cfg = TrainConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.completion_len,
                       lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget).validate()
-    in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(args.device))
+    in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(device))
     print(f"base: {why}")
     plan = plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, budget,
                      args.lora_rank, in_4bit, dtype_bytes)
     print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
           f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
-          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}")
+          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}"
+          + (" (this machine's device; --device cuda plans for a GPU)" if args.device == "auto" and device == "cpu"
+             else ""))
     print(plan.describe())
     return 0 if plan.fits else 1
 
@@ -413,11 +441,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not 10 <= args.samples <= 100_000:
         raise UserError(f"analyze: --samples must be at {'least 10' if args.samples < 10 else 'most 100,000'} "
                         f"(got {args.samples})")
-    _check_png_path(args.out, "analyze --out")  # before the fits, not after them
+    out = args.out or str(Path(args.runs[0]) / "scaling.png")  # beside the run's other plots, as `plot` writes
+    _check_png_path(out, "analyze --out")  # before the fits, not after them
     curves = [analyze_run(run, args.metric, args.compute, args.samples) for run in args.runs]
     for curve in curves:
         print(describe(curve, args.metric, args.compute))
-    out = plot_curves(curves, args.out, args.metric, args.compute)
+    out = plot_curves(curves, out, args.metric, args.compute)
     print(f"wrote {out}")
     if args.json:
         print(json.dumps([{"run": c.name, "r0": c.fit.r0, "a": c.fit.a, "b": c.fit.b, "c_mid": c.fit.c_mid,
@@ -456,14 +485,14 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     # train and eval take config fields as flags (--field value), parsed by config.parse_overrides
     fields = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)",
                        formatter_class=fields, allow_abbrev=False, usage="localrl train [--config FILE.toml] "
-                       "[--resume RUN_DIR] [--FIELD VALUE ...]", epilog="config fields:\n" + fields_help())
+                       "[--resume RUN_DIR] [--FIELD VALUE ...]", epilog="config fields, by group:\n" + fields_help())
     p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.set_defaults(func=cmd_train)
@@ -479,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter",
                        formatter_class=fields, allow_abbrev=False, usage="localrl eval [RUN_DIR] [--json] "
-                       "[--FIELD VALUE ...]", epilog="config fields: " + ", ".join(EVAL_FIELDS))
+                       "[--FIELD VALUE ...]", epilog="config fields (as in training; a run's own are read from it):\n"
+                       + fields_help(EVAL_FIELDS))
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--experience", metavar="RUN_DIR|FILE", help="give the model this experience library's lessons "
@@ -518,19 +548,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="streaming terminal chat with a GGUF, a run or a model")
     p.add_argument("source", nargs="?", help="model file (.gguf), run directory, model directory or built-in name "
                    "(default with --experience: that run)")
-    p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (0: greedy)")
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--temperature", type=float, default=0.2, help="sampling temperature (default 0.2; 0: greedy)")
+    p.add_argument("--system", default=None, help="system message (default: none)")
     p.add_argument("--experience", metavar="RUN_DIR|FILE", help="a training-free GRPO run (objective experience), "
                    "its experience.json or a .txt of lessons: the lessons follow the system message")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
+    p.add_argument("--max-tokens", type=int, default=512, help="the longest reply, in tokens (default 512)")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context); "
+                   "when the conversation outgrows it, the oldest turns are dropped")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plot", help="a run's learning curve as a PNG (reward and accuracy per step, held-out "
                        "before and after)")
     p.add_argument("run", help="run directory")
     p.add_argument("--out", default=None, help="PNG file (default: RUN_DIR/learning_curve.png)")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="the chart's title (default: the run directory's name)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("analyze", help="fit ScaleRL's sigmoid (reward against compute) to runs: asymptote, "
@@ -539,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="reward_mean", help="the per-step number to fit (reward_mean, accuracy, ...)")
     p.add_argument("--compute", default="tokens", choices=["tokens", "steps", "seconds"],
                    help="the compute axis: generated completion tokens, steps or wall-clock seconds")
-    p.add_argument("--out", default="scaling.png", help="the PNG with every run's points and fitted curve")
+    p.add_argument("--out", default=None, help="the PNG with every run's points and fitted curve (default: "
+                   "scaling.png in the first run's directory)")
     p.add_argument("--samples", type=int, default=200, help="bootstrap refits for the intervals")
     p.add_argument("--json", action="store_true", help="also print the fits as JSON")
     p.set_defaults(func=cmd_analyze)
@@ -582,11 +614,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, required=True, help="prompt tokens (P)")
     p.add_argument("--completion-len", type=int, required=True, help="completion tokens (R)")
     p.add_argument("--budget", default="", help="memory budget, for example 12GB (empty: no limit)")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the adapter (default 16)")
     p.add_argument("--quantize", default="auto", choices=["auto", "nf4", "none"],
                    help="base weights, as in train (auto: nf4 on cuda, full precision on cpu unless memory needs nf4)")
     p.add_argument("--no-4bit", action="store_true", help="the same as --quantize none")
-    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="compute dtype: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="the device to plan for (default auto: this machine's: cuda if it has a GPU, else cpu); "
+                        "bf16 on cuda, fp32 on cpu; 4-bit only on cuda")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
@@ -617,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="override the recipe's seed")
     p.add_argument("--steps", type=int, help="override the recipe's pretraining steps")
     p.set_defaults(func=cmd_models)
+    parser.commands = sub.choices  # name -> its parser, for suggestions
     return parser
 
 
@@ -636,12 +671,15 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        build_parser().print_help()
+        return 2
     try:
         if argv and argv[0] in FIELD_COMMANDS:  # config-field flags are read by config.py, the rest by argparse
             overrides, rest = split_overrides(argv[1:], FIELD_COMMANDS[argv[0]])
-            args = build_parser().parse_args([argv[0], *rest])
+            args = _parse([argv[0], *rest])
             return args.func(args, overrides)
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
         _quiet_libraries()
         return args.func(args)
     except UserError as e:
@@ -667,6 +705,45 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "localrl.distributed" in sys.modules:
             sys.modules["localrl.distributed"].shutdown()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, parsed; an unknown flag or command is one line naming the closest valid one."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command", None)
+        flag = next((a.partition("=")[0] for a in unknown if a.startswith("-")), None)
+        if flag is None:
+            raise UserError(f"{command}: unexpected argument {unknown[0]!r} (see localrl {command} -h)")
+        known = [o for o in parser.commands[command]._option_string_actions if o.startswith("--")]
+        known += [flag_name(f) for f in FIELD_COMMANDS.get(command, [])]
+        raise UserError(f"{command}: unknown flag {flag!r}" + _closest(flag, known, f"localrl {command} -h"))
+    return args
+
+
+def _closest(word: str, choices: list[str], where: str) -> str:
+    """" (did you mean X?)", or where to look when nothing is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else f" (see {where})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors one line (as every localrl error), a misspelt command or choice answered by the
+    closest one."""
+
+    def error(self, message: str):
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad:
+            choices = re.findall(r"'([^']*)'", bad.group(2))
+            hint = _closest(bad.group(1), choices, f"{self.prog} -h")
+            what = self.prog.removeprefix("localrl").strip()
+            raise UserError(f"{what + ': ' if what else ''}unknown {'choice' if what else 'command'} "
+                            f"{bad.group(1)!r}{hint}")
+        what = self.prog.removeprefix("localrl").strip()
+        raise UserError(f"{what + ': ' if what else ''}{message} (see {self.prog} -h)")
 
 
 def _main_rank() -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from localrl.calibration import calibration_summary
 from localrl.errors import UserError
+from localrl.metrics import item_progress
 from localrl.rewards import RewardFn, combine, reward_names, score
 from localrl.rollout import (Rollout, completion_token_ids, decode_completions, encode_prompts, sample_groups,
                              stop_token_ids)
@@ -36,21 +37,26 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
              max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None,
              system: str | None = None, samples: int = 0, generate: Generate | None = None) -> dict:
     """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)``
-    is called before and after each batch. With ``samples``, the first few completions come back too,
+    follows the items as they are decoded (``item_progress``: at most once a second). With ``samples``, the first few completions come back too,
     each with its prompt, reference answer and rewards, so a user can see why a model scores as it does.
     ``generate``: who decodes (training passes its llama.cpp sampler); by default the torch model does."""
     was_training = model.training
     model.eval()
+    progress = item_progress(progress)
+    start = 0  # the first item of the batch being decoded
     if generate is None:
         stops = stop_token_ids(tok, model)
 
         def generate(prompts: list[list[int]]) -> Rollout:
-            return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0)
+            within = None if progress is None else (
+                lambda share: progress(start + int(share * len(prompts)), len(rows)))
+            return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0,
+                                 on_token=within)
     correct, total, shown, tokens, all_texts = [], [], [], 0, []
-    for i in range(0, len(rows), batch_size):
+    for start in range(0, len(rows), batch_size):
         if progress is not None:
-            progress(i, len(rows))
-        chunk = rows[i:i + batch_size]
+            progress(start, len(rows))
+        chunk = rows[start:start + batch_size]
         rollout = generate(encode_prompts(tok, chunk, system))
         texts = decode_completions(tok, rollout)
         scores = score(rewards, texts, {**columns_of(chunk), "completion_ids": completion_token_ids(rollout)})

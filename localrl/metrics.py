@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -79,3 +80,53 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+ETA_WINDOW = 20  # the last steps whose times predict the rest
+
+
+def eta_seconds(train: list[dict], total: int) -> float | None:
+    """Seconds until step ``total``: the mean time of the run's last ``ETA_WINDOW`` measured steps (between
+    consecutive records' ``wall_time``, so checkpoint writes count; a lone step's own ``step_s``) times the steps
+    left. None before the first step. It needs no window of recent progress, so hour-long steps get an ETA too."""
+    steps = [r for r in train if isinstance(r.get("step"), int)]
+    if not steps:
+        return None
+    left = max(0, total - steps[-1]["step"])
+    walls = [(r["step"], r["wall_time"]) for r in steps[-ETA_WINDOW - 1:] if isinstance(r.get("wall_time"), (int, float))]
+    if len(walls) >= 2 and walls[-1][0] > walls[0][0] and walls[-1][1] > walls[0][1]:
+        per_step = (walls[-1][1] - walls[0][1]) / (walls[-1][0] - walls[0][0])
+    else:
+        times = [r["step_s"] for r in steps[-ETA_WINDOW:] if isinstance(r.get("step_s"), (int, float))]
+        if not times:
+            return None
+        per_step = sum(times) / len(times)
+    return left * per_step
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1:02:03`` (or ``-:--:--`` when unknown)."""
+    if seconds is None:
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+Progress = Callable[[int, int], None]  # (items done, items in all)
+PROGRESS_SECONDS = 1.0  # the least time between two progress reports
+
+
+def item_progress(progress: Progress | None, every: float | None = None) -> Progress | None:
+    """``progress`` called only when the count of items done changes, at most once per ``every`` seconds
+    (``PROGRESS_SECONDS``), and always for the last item: per-item progress that does not flood a metrics file."""
+    if progress is None:
+        return None
+    every = PROGRESS_SECONDS if every is None else every
+    last = {"done": -1, "at": 0.0}
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or (done != last["done"] and now - last["at"] >= every):
+            last.update(done=done, at=now)
+            progress(done, total)
+    return report

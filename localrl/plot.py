@@ -5,6 +5,7 @@ and after training. ``localrl plot RUN_DIR``."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from localrl.errors import UserError
@@ -65,7 +66,7 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
                                                        f"{r['accuracy']:.0%}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"{what} / reward")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylim(*y_limits([r["reward_mean"] for r in steps if "reward_mean" in r]))
     ax.set_title(title or run.path.name)
     ax.grid(alpha=0.3)
     ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="lower right")
@@ -75,6 +76,15 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
         plt.close(fig)
         raise UserError(f"plot --out {out}: " + ("is a directory" if out.is_dir() else "its folder does not exist"))
     return save_png(fig, out)
+
+
+def y_limits(rewards: list[float]) -> tuple[float, float]:
+    """0 to 1 (rates), widened to every reward drawn: a format bonus can lift the mean reward above 1, a
+    penalty below 0, and neither line may be cut off."""
+    finite = [v for v in rewards if isinstance(v, (int, float)) and math.isfinite(v)]
+    lo, hi = min([0.0, *finite]), max([1.0, *finite])
+    pad = 0.02 * (hi - lo)
+    return (lo - pad if lo < 0 else 0.0), hi + pad
 
 
 def _smooth(values: list[float], k: int = 5) -> list[float]:

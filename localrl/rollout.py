@@ -9,6 +9,7 @@ prompts share its batch (or its rank, in a distributed run). Temperature 0 means
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,12 @@ def sample_groups(
     pad_id: int,
     temperature: float = 1.0,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    on_token: Callable[[float], None] | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for every prompt (token-id lists); ``generator``: one for the batch,
-    or one per prompt (its group's completions are drawn from it alone)."""
+    or one per prompt (its group's completions are drawn from it alone). ``on_token(share)``, after each
+    decoded token: the share of the batch's decoding done (finished completions whole, the others by tokens
+    of ``max_new_tokens``), for progress within a long batch."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -120,6 +124,9 @@ def sample_groups(
         live.append(~done)
         tokens.append(tok)
         done = done | torch.isin(tok, stop)
+        if on_token is not None:
+            finished = int(done.sum())
+            on_token((finished + (n - finished) * (t + 1) / max_new_tokens) / n)
         if bool(done.all()) or t == max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -320,6 +320,16 @@ def is_run(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
+def newest_run(runs_dir: str | Path) -> Path | None:
+    """The run under ``runs_dir`` with the newest checkpoint (one a chat or export can load), or None."""
+    best: tuple[float, Path] | None = None
+    for path in Path(runs_dir).iterdir() if Path(runs_dir).is_dir() else ():
+        ckpt = Run(path).latest_checkpoint() if is_run(path) else None
+        if ckpt is not None and (best is None or ckpt.stat().st_mtime > best[0]):
+            best = (ckpt.stat().st_mtime, path)
+    return best[1] if best else None
+
+
 def load_merged(source: str | Path, check: Callable | None = None):
     """A run's policy (its adapter merged onto the full-precision base) or a model's own weights:
     (model, tokenizer, tokenizer dir, description). ``check(config, tok)`` runs before weights load."""

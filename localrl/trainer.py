@@ -431,12 +431,14 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 if library is not None and w.is_main:
                     library.save(run.experience_path)
                 flat_steps = flat_steps + 1 if record.get("frac_reward_zero_std") == 1 else 0
-                messages = [no_signal_message(record, flat_steps)] if flat_steps == FLAT_STEPS_WARNING else []
+                messages = ([no_signal_message(record, flat_steps, cfg.temperature)]
+                            if flat_steps == FLAT_STEPS_WARNING else [])
                 if check_name is not None:
-                    messages.append(hacking.observe(record["reward_mean"], record["rewards"].get(check_name), step + 1))
-                for message in filter(None, messages):
-                    sink.emit({"kind": "warning", "step": step + 1, "message": message})
-                    log(f"warning: {message}")
+                    hacked = hacking.observe(record["reward_mean"], record["rewards"].get(check_name), step + 1)
+                    messages += [("warning", hacked)] if hacked else []
+                for kind, message in messages:
+                    sink.emit({"kind": kind, "step": step + 1, "message": message})
+                    log(f"warning: {message}" if kind == "warning" else message)
                 done = step + 1
                 stop = w.any(stop_flag.requested)  # every rank stops after the same step
                 if stop or done % cfg.save_every == 0 or done == cfg.steps:
@@ -496,18 +498,24 @@ def _open_run(cfg: TrainConfig, base: dict, resume: bool, w: World, log) -> Run:
 FLAT_STEPS_WARNING = 3  # consecutive steps without a learning signal before the run says so
 
 
-def no_signal_message(record: dict, steps: int) -> str:
-    """Why a run is not learning, when every group's completions scored alike for ``steps`` steps."""
-    reward = record["reward_mean"]
-    if reward == 0:
-        cause = ("every completion scored 0: the model may never give an answer the reward can read "
-                 "(check the answer format and system_prompt, the reward, and `localrl eval` samples)")
+def no_signal_message(record: dict, steps: int, temperature: float) -> tuple[str, str]:
+    """(kind, text) when every group's completions scored alike for ``steps`` steps: a "note" when every
+    completion solved its task (success: the data is learned), else a "warning" saying why nothing is learned."""
+    reward, solved = record["reward_mean"], record.get("accuracy")
+    if solved == 1:
+        return "note", (f"every group solved for {steps} steps: the model has learned this data; consider harder "
+                        f"data or stopping")
+    if reward == 0 or solved == 0:
+        cause = ("every completion failed: the model may never give an answer the reward can read "
+                 "(check the answer format and system_prompt, the reward, and `localrl eval` samples), or the "
+                 "task is too hard for it")
     else:
-        cause = (f"every completion in each group scored the same ({reward:.3g} on average): the task may be "
-                 "too easy or too hard for this model, or sampling too cold (temperature)")
+        cause = (f"each group's completions scored alike ({reward:.3g} on average, {solved:.0%} solved): some "
+                 f"tasks are always solved and the others never; sampling may be too cold (temperature "
+                 f"{temperature:g}) or the data too uneven for this model")
     if record["truncated"] > 0.5:
         cause += f"; {record['truncated']:.0%} of completions hit max_new_tokens, so raise it"
-    return f"no learning signal for {steps} steps: {cause}"
+    return "warning", f"no learning signal for {steps} steps: {cause}"
 
 
 def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights, sink: MetricsSink, when: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,33 +105,46 @@ def remove_leftovers(out: Path) -> None:
 
 
 def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool = True, log=print) -> ExportResult:
-    from localrl.runs import load_merged
+    from localrl.runs import is_run, load_merged
 
     out = check_output(out, quant)
     if check or quant in LLAMA_CPP_TYPES:  # before any weights load
         require_llama_cpp("validating a GGUF (--no-check skips it)" if check else f"export to {quant}")
     remove_leftovers(out)
+    t0 = time.monotonic()
+
+    def stage(text: str) -> None:  # export takes from seconds to minutes: each stage says when it starts
+        log(f"[{time.monotonic() - t0:4.0f} s] {text}")
+
+    stage(f"loading {source}" + (" and merging its adapter" if is_run(source) else ""))
     model, tok, tok_dir, what = load_merged(source, check=check_exportable)
     log(f"exporting {what}")
     pre = pre_tokenizer(model.config, tok, tok_dir, log)
+    params = sum(p.numel() for p in model.parameters())
     tmp = out.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{out.name}")
     report = None
     try:
         if quant in LLAMA_CPP_TYPES:  # llama.cpp's quantizer, from an f16 file written (and checked) first
             f16 = out.with_name(f".tmp-f16-{uuid.uuid4().hex[:8]}-{out.name}")
             try:
+                stage(f"writing an f16 GGUF ({params / 1e6:.1f}M parameters)")
                 write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16", pre)
                 if check:  # the writer's own errors show at f16, before quantisation blurs them
+                    stage("validating the f16 file in llama.cpp (tokenizer and logits against torch)")
                     f16_report = check_gguf(f16, model, tok, "f16")
                     if not f16_report.passed:
                         log(f"not written: the f16 file {quant} is quantised from failed validation "
                             f"in llama.cpp")
                         return ExportResult(None, what, f16_report)
+                stage(f"quantising to {quant} (llama.cpp)")
                 llama_cpp_quantize(f16, tmp, quant)
             finally:
                 f16.unlink(missing_ok=True)
         else:
+            stage(f"writing a {quant} GGUF ({params / 1e6:.1f}M parameters)")
             write_gguf(model.state_dict(), model.config, tok_dir, tok, tmp, quant, pre)
+        if check:
+            stage(f"validating the {quant} file in llama.cpp (tokenizer and logits against torch)")
         report = check_gguf(tmp, model, tok, quant) if check else None
         if report is not None and not report.passed:
             log(f"not written: {out} failed validation in llama.cpp (--no-check writes it anyway)")

@@ -8,6 +8,7 @@ minutes, so it is asked for only by what uses it, with one line saying how to in
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -27,7 +28,42 @@ def require_llama_cpp(what: str):
     logger = logging.getLogger("llama-cpp-python")
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.ERROR)
+    if cpu_has_amx() and os.environ.get(EXTRA_BUFFERS_ENV) != "1":
+        _without_extra_buffers(llama_cpp)
     return llama_cpp
+
+
+# llama.cpp built for an AMX CPU (a native build on Sapphire Rapids and later) multiplies quantised weights
+# with AMX tile instructions, from its "extra buffer types". Some virtual machines advertise AMX and grant
+# the permission to use it, yet fault on the first tile instruction: the whole process dies in
+# ggml_backend_amx_mul_mat (seen on a Firecracker VM). On AMX CPUs localrl loads models without the extra
+# buffer types (plain AVX-512 kernels: slower prompt processing, the same results);
+# LOCALRL_LLAMA_EXTRA_BUFFERS=1 turns them back on where AMX works.
+EXTRA_BUFFERS_ENV = "LOCALRL_LLAMA_EXTRA_BUFFERS"
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+def _without_extra_buffers(llama_cpp) -> None:
+    """Every model llama-cpp-python loads from now on, in this process, without extra buffer types."""
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+    if getattr(default, "without_extra_buffers", False) or not hasattr(default(), "use_extra_bufts"):
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    params.without_extra_buffers = True
+    low.llama_model_default_params = llama_cpp.llama_model_default_params = params
 
 
 @contextmanager

@@ -88,3 +88,36 @@ def test_a_run_too_short_to_fit_is_one_line(tmp_path, capsys):
     run = synthetic_run(tmp_path / "run", steps=3)
     assert main(["analyze", str(run), "--out", str(tmp_path / "x.png")]) == 2
     assert "3 training steps recorded; a curve needs at least 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values", ["early", "straight"])
+def test_a_rise_that_has_not_bent_yet_gives_no_asymptote_and_no_warnings(tmp_path, capsys, values, recwarn):
+    """An unfinished run (the start of its rise, or a straight line) fits any asymptote: it once printed
+    A = -2.9e+63 among numpy overflow warnings. It says so in one line instead; the PNG goes into the run."""
+    run = synthetic_run(tmp_path / "run", steps=8, c_mid=40000.0) if values == "early" else \
+        synthetic_run(tmp_path / "run", steps=8, noise=0.0)
+    if values == "straight":
+        lines = Run(run).metrics_path.read_text().splitlines()
+        Run(run).metrics_path.write_text("".join(json.dumps({**json.loads(line), "reward_mean": 0.2 + 0.05 * i}) + "\n"
+                                                 for i, line in enumerate(lines)))
+    assert main(["analyze", str(run), "--samples", "20"]) == 0
+    out = capsys.readouterr()
+    assert "has not reached the middle of its rise yet" in out.out and "A (asymptote)" not in out.out
+    assert "e+" not in out.out and not out.err
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert (run / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_learning_curve_shows_rewards_above_one_and_below_zero(tmp_path):
+    """A format bonus lifts the mean reward above 1; the plot once cut the line at 1.02."""
+    from localrl.plot import plot_run, y_limits
+
+    assert y_limits([0.2, 0.9]) == (0.0, pytest.approx(1.02))
+    lo, hi = y_limits([0.4, 1.3])
+    assert lo == 0.0 and hi > 1.3
+    lo, hi = y_limits([-0.5, 0.2])
+    assert lo < -0.5 and hi >= 1.0
+    run = synthetic_run(tmp_path / "run", steps=6, a=1.3)
+    lines = Run(run).metrics_path.read_text().splitlines()
+    Run(run).metrics_path.write_text("".join(json.dumps({**json.loads(x), "accuracy": 0.5}) + "\n" for x in lines))
+    assert plot_run(run, tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -70,7 +70,8 @@ TRAIN_CASES = [
     (["--steps", "1.5"], "config field steps: expected int, got '1.5'"),
     (["--steps"], "flag --steps: needs a value"),
     (["--no-steps"], "flag --no-steps: steps is not a yes/no field"),
-    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["--bogus", "1"], "train: unknown flag '--bogus' (see localrl train -h)"),
+    (["--stpes", "3"], "train: unknown flag '--stpes' (did you mean --steps?)"),
     (["--resume", "a-file"], "resume a-file: not a run directory"),
     (["--resume", "nowhere"], "resume nowhere: no such directory"),
 ]
@@ -404,7 +405,7 @@ def test_a_chat_longer_than_the_context_is_one_line(builtin_model):
 
     from localrl.chat import terminal_chat
 
-    with pytest.raises(UserError, match="more than tiny-arith's context of 256"):
+    with pytest.raises(UserError, match="too many for tiny-arith's context of 256"):  # one message alone
         terminal_chat("tiny-arith", stdin=io.StringIO("What is 1 + 1? " * 40 + "\n"), stdout=io.StringIO())
 
 

@@ -64,3 +64,64 @@ def test_the_progress_display_prints_lines_as_written_not_as_markup():
     with bar.console.capture() as captured:
         bar({"kind": "status", "message": "rollouts: torch (pip install 'localrl[llama]' for llama.cpp)"})
     assert "'localrl[llama]'" in captured.get()
+
+
+def test_the_eta_comes_from_the_steps_measured_even_when_a_step_takes_minutes():
+    """rich's own estimate looks at the last 30 s: with 75 s steps it showed -:--:-- for the whole run."""
+    from localrl.cli import ProgressBar
+    from localrl.metrics import eta_seconds
+
+    steps = [{"kind": "train", "step": i, "reward_mean": 0.5, "accuracy": 0.5, "kl": None, "step_s": 70.0,
+              "wall_time": 100.0 + 75.0 * i} for i in (1, 2, 3)]
+    assert eta_seconds(steps[:1], 10) == 9 * 70.0  # one step: its own time
+    assert eta_seconds(steps, 10) == 7 * 75.0  # more: the wall time between them (checkpoints count)
+    assert eta_seconds([], 10) is None
+    bar = ProgressBar(10)
+    for record in steps:
+        bar(record)
+    eta_column = bar.progress.columns[-1]
+    task = bar.progress.tasks[0]
+    assert str(eta_column.render(task)) == "0:08:45"
+    bar.close()
+
+
+def test_evaluation_progress_moves_item_by_item_within_a_batch(builtin_model, monkeypatch):
+    """``localrl eval --model X.gguf --eval-size 50`` sat at 0/50 for minutes: progress came per batch of 64."""
+    from localrl import metrics
+    from localrl.evaluate import evaluate_policy
+    from localrl.config import TrainConfig
+
+    monkeypatch.setattr(metrics, "PROGRESS_SECONDS", 0.0)
+    seen = []
+    evaluate_policy(TrainConfig(eval_size=12, eval_batch_size=64).validate(), progress=lambda d, t: seen.append(d),
+                    samples=0)
+    assert seen[0] == 0 and seen[-1] == 12 and any(0 < d < 12 for d in seen), seen
+    assert seen == sorted(seen)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trian"], "unknown command 'trian' (did you mean train?)"),
+    (["eval", "--eval-szie", "3"], "eval: unknown flag '--eval-szie' (did you mean --eval-size?)"),
+    (["chat", "x", "--temprature", "1"], "chat: unknown flag '--temprature' (did you mean --temperature?)"),
+    (["bench", "grpo-stpe"], "bench: unknown choice 'grpo-stpe' (did you mean grpo-step?)"),
+    (["export", "x"], "export: the following arguments are required: --out (see localrl export -h)"),
+])
+def test_a_misspelt_command_or_flag_is_one_line_with_the_closest_valid_one(capsys, argv, message):
+    from localrl.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"localrl: error: {message}"]
+
+
+def test_every_help_entry_says_what_it_means():
+    """`eval -h` once listed field names without meanings; every flag of every command has a help text."""
+    from localrl.cli import build_parser
+
+    parser = build_parser()
+    for name, sub in parser.commands.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"localrl {name} {action.option_strings[0]}: no help text"
+    eval_help = parser.commands["eval"].format_help()
+    assert "--eval-size VALUE" in eval_help and "held-out problems" in eval_help

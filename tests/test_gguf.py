@@ -155,15 +155,21 @@ def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tm
     cfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, eval_size=0, run_dir=str(tmp_path / "run"))
     run = train(cfg, log=lambda *_: None).run_dir
     for quant in ("f16", "q8_0", "q4_0"):
-        result = export(run, tmp_path / f"tiny-{quant}.gguf", quant, log=lambda *_: None)
+        lines = []
+        result = export(run, tmp_path / f"tiny-{quant}.gguf", quant, log=lines.append)
         assert "merged onto the full-precision (float32) base" in result.source
+        assert lines[0].endswith(f"loading {run} and merging its adapter")
         assert result.report.passed, result.report.describe()
 
 
 @pytest.mark.slow
 def test_k_quant_through_llama_cpps_quantizer(builtin_model, tmp_path):
-    out = tmp_path / "k.gguf"
-    result = export(builtin_model, out, "q4_k_m", log=lambda *_: None)
+    out, lines = tmp_path / "k.gguf", []
+    result = export(builtin_model, out, "q4_k_m", log=lines.append)
+    stages = [line.split("] ", 1)[1] for line in lines if line.startswith("[")]  # each stage says when it starts
+    assert [s.split(" (")[0] for s in stages] == [f"loading {builtin_model}", "writing an f16 GGUF",
+                                                  "validating the f16 file in llama.cpp", "quantising to q4_k_m",
+                                                  "validating the q4_k_m file in llama.cpp"], lines
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
     assert result.report.passed and result.report.tokens_identical and result.report.top1_agreement >= 0.9
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.Modelfile", "k.gguf"]  # no f16 or temp file left
@@ -308,3 +314,14 @@ def test_the_q8_0_decisive_gate_is_never_skipped_silently():
     # other types have no decisive gate, and no note about it
     assert _report("f16", 0.995, 0, 1.0).passed and not _report("f16", 0.995, 0, 1.0).notes
     assert not _report("q4_0", 0.5, 3, 0.0).notes and _report("q4_0", 0.5, 3, 0.0).passed
+
+
+def test_llama_cpp_loads_without_extra_buffers_on_amx_cpus(monkeypatch):
+    """A native llama.cpp build on an AMX CPU faulted in its AMX kernels on a VM that advertised AMX (every
+    quantised GGUF killed the process); localrl's loads leave the extra buffer types off there."""
+    from localrl.quant.runtime import EXTRA_BUFFERS_ENV, cpu_has_amx, require_llama_cpp
+
+    monkeypatch.delenv(EXTRA_BUFFERS_ENV, raising=False)
+    llama_cpp = require_llama_cpp("this test")
+    assert llama_cpp.llama_model_default_params().use_extra_bufts is (not cpu_has_amx())
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts is (not cpu_has_amx())

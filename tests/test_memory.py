@@ -44,7 +44,10 @@ def test_real_configs_on_a_12gb_card():
 def test_plan_command_reads_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
     args = [sys.executable, "-m", "localrl.cli", "plan", "--model", str(tmp_path), "--group", "8",
-            "--prompt-len", "4000", "--completion-len", "256", "--budget", "12GB"]
+            "--prompt-len", "4000", "--completion-len", "256", "--device", "cuda", "--budget", "12GB"]
+    here = subprocess.run(args[:-4], capture_output=True, text=True)  # no --device: this machine's
+    assert here.returncode == 0, here.stderr
+    assert ("bf16 (cuda)" if torch.cuda.is_available() else "fp32 (cpu) (this machine's device") in here.stdout
     proc = subprocess.run(args, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "36 layers" in proc.stdout and "predicted peak" in proc.stdout and "of a 12.00 GiB budget" in proc.stdout

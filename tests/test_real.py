@@ -110,10 +110,10 @@ def test_localrl_serve_answers_with_the_real_model(real_gguf):
     # The oracle: llama.cpp itself, in this process, on the same file with the server's context and sampling
     # defaults. (Not the model's knowledge: at this prompt's first token SmolLM2's "The" leads "L" by 0.08
     # logits in torch, and which one llama.cpp's Q4_1 kernels pick differs from machine to machine.)
-    from llama_cpp import Llama
-
     from localrl.quant.gguf_info import read_gguf_info
+    from localrl.quant.runtime import require_llama_cpp
 
+    Llama = require_llama_cpp("the oracle").Llama  # loaded as localrl loads models (runtime.py)
     llm = Llama(model_path=str(real_gguf), n_ctx=read_gguf_info(real_gguf).context_length, verbose=False)
     try:
         direct = llm.create_chat_completion(messages=[{"role": "user", "content": "What is the capital of France?"}],

@@ -730,3 +730,32 @@ def test_an_empty_key_is_refused(tiny_gguf, tmp_path):
     for flags in (["--api-key-file", empty], ["--api-key", " "]):
         proc = _serve_command(tiny_gguf, *flags)
         assert proc.returncode == 2 and "the key must be one word of printable ASCII" in proc.stderr, proc.stderr
+
+
+def test_a_long_terminal_chat_drops_its_oldest_turns_and_says_so_once(builtin_model, monkeypatch):
+    """With the built-in model (a context of 256 tokens) the third message used to end the program."""
+    import io
+
+    from localrl import chat
+
+    replies, opened = [], chat.open_chat_model
+
+    def counted(source, n_ctx=0):  # the model, noting how many messages each reply was asked with
+        model = opened(source, n_ctx)
+        stream = model.stream
+
+        def noted(messages, **kw):
+            replies.append(len(messages))
+            yield from stream(messages, **kw)
+        model.stream = noted
+        return model
+
+    monkeypatch.setattr(chat, "open_chat_model", counted)
+    questions = [f"What is {10 + i} + {20 + i}? Please answer carefully." for i in range(8)]
+    out, err = io.StringIO(), io.StringIO()
+    chat.terminal_chat(builtin_model, max_tokens=60, temperature=0.0, stdin=io.StringIO("\n".join(questions) + "\n"),
+                       stdout=out, stderr=err)
+    assert replies[:2] == [1, 3] and len(replies) > len(questions)  # some attempts did not fit, and were retried
+    assert max(replies) < 2 * len(questions) - 1  # the later ones without the oldest turns
+    assert err.getvalue().splitlines()[0].startswith("chatting with tiny-arith (temperature 0, up to 60 tokens")
+    assert err.getvalue().count("its oldest turns are dropped") == 1, err.getvalue()

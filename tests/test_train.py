@@ -197,9 +197,32 @@ def test_a_run_without_a_learning_signal_says_so(builtin_model, tmp_path):
     result = train(small(tmp_path / "run", steps=4, format_weight=0.0), rewards=([never], [1.0]), log=lines.append)
     warnings = [r for r in read_metrics(Run(result.run_dir).metrics_path) if r["kind"] == "warning"]
     assert len(warnings) == 1 and warnings[0]["step"] == 3  # once, after three flat steps
-    assert "no learning signal for 3 steps: every completion scored 0" in warnings[0]["message"]
+    assert "no learning signal for 3 steps: every completion failed" in warnings[0]["message"]
     assert any(line.startswith("warning: no learning signal") for line in lines)
     assert all(r["frac_reward_zero_std"] == 1.0 for r in train_records(result.run_dir))
+
+
+def test_every_group_solved_is_said_as_progress_not_as_a_warning(builtin_model, tmp_path):
+    def always(completions, **_):
+        return [1.0] * len(completions)
+
+    lines = []
+    result = train(small(tmp_path / "run", steps=3, format_weight=0.0), rewards=([always], [1.0]), log=lines.append)
+    records = read_metrics(Run(result.run_dir).metrics_path)
+    assert not [r for r in records if r["kind"] == "warning"]
+    [note] = [r for r in records if r["kind"] == "note"]
+    assert note["step"] == 3 and note["message"].startswith("every group solved for 3 steps")
+    assert not any("warning" in line for line in lines) and any(line.startswith("every group solved") for line in lines)
+
+
+def test_groups_alike_but_not_all_solved_point_at_cold_sampling(builtin_model, tmp_path):
+    def by_prompt(completions, answer, **_):  # the same within a group, different between groups
+        return [float(int(a) % 2 == 0) for a in answer]
+
+    result = train(small(tmp_path / "run", steps=3, format_weight=0.0), rewards=([by_prompt], [1.0]), log=QUIET["log"])
+    [warning] = [r for r in read_metrics(Run(result.run_dir).metrics_path) if r["kind"] == "warning"]
+    assert "some tasks are always solved and the others never" in warning["message"]
+    assert "temperature 1" in warning["message"]
 
 
 def test_eval_shows_sample_completions_with_their_rewards(builtin_model):

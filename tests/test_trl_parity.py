@@ -134,7 +134,9 @@ def test_gradient_does_not_depend_on_the_micro_batch(builtin_model, loss_type, p
     for micro_batch in (1, 3):
         loss, grads = _localrl(model, rollout, advantages, loss_type, micro_batch, **settings)
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
-        assert _max_rel_err(grads, whole) < 1e-4
+        # float32 sums in another order: 1.1e-4 of the largest entry seen on an AVX-512 machine; a wrong split
+        # (a normaliser taken per micro-batch) is off by more than 1e-2 (test_loss_types_differ_where_lengths_differ)
+        assert _max_rel_err(grads, whole) < 5e-4
 
 
 def test_loss_types_differ_where_lengths_differ(builtin_model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -402,3 +403,76 @@ def test_streamed_text_survives_a_worker_feeding_while_the_screen_draws():
         message.flush()
     message.flush()
     assert message.text == "".join(pieces)
+
+
+# -- what a person trips on ------------------------------------------------------------------
+
+
+def test_after_an_approval_typing_goes_to_the_task_and_dir_is_never_overwritten(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ScriptedModel([tool_call("echo hi"), "done."])
+
+    async def go():
+        app = LocalRLApp(model=model, workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "say hi")
+            await pilot.press("ctrl+y")
+            await _agent_done(pilot, screen)
+            assert app.focused is screen.query_one("#task")  # not the hidden approval panel
+            await pilot.press("l", "s")
+            assert screen.query_one("#task").value == "ls"
+            screen.query_one("#workdir").focus()  # as Tab from the task lands there
+            await pilot.pause()
+            await pilot.press("x")
+            assert screen.query_one("#workdir").value == f"{work}x"  # typed after it, not replacing it
+
+    run(go())
+
+
+def test_a_failed_load_says_which_model_still_answers(tmp_path):
+    async def go():
+        app = LocalRLApp(model=ScriptedModel(["hi"]), data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            app.chat_source = "scripted"
+            app.load_model(str(tmp_path / "missing.gguf"))
+            await wait_for(pilot, lambda: "cannot load" in app.model_status)
+            assert "still talking to scripted" in app.model_status, app.model_status
+            assert app.chat_model is not None
+
+    run(go())
+
+
+def test_chat_offers_the_newest_run_and_the_footer_shows_quit(tmp_path):
+    runs = tmp_path / "runs"
+    for name, age in (("older", 100), ("newer", 0)):
+        step = runs / name / "checkpoints" / "step-000001"
+        step.mkdir(parents=True)
+        (runs / name / "config.toml").write_text("")
+        os.utime(step, (time.time() - age, time.time() - age))
+
+    async def go():
+        app = LocalRLApp(runs_dir=runs, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            assert "Quit" in str(app.screen.query_one("Footer").render()) or any(
+                "Quit" in str(w.render()) for w in app.screen.query("FooterKey"))
+            await pilot.press("f2")
+            await pilot.pause()
+            assert app.screen.query_one("#source").value == str(runs / "newer")
+
+    run(go())
+
+
+def test_an_emptied_numeric_field_is_an_error_not_a_default_run(tmp_path):
+    async def go():
+        app = LocalRLApp(runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            assert screen.query_one("#field-steps").placeholder.startswith("default ")
+            _fill(screen, steps="")
+            await pilot.click("#start")
+            await pilot.pause(0.2)
+            assert "Steps: empty; enter a value (the default is" in str(screen.query_one("#form-error").render())
+            assert screen.query_one("#field-steps").has_class("-invalid") and screen.proc is None
+
+    run(go())

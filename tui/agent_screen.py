@@ -61,7 +61,7 @@ class AgentScreen(Screen):
         yield Header(show_clock=False)
         with Horizontal(id="agent-bar"):
             yield Label("Dir")
-            yield Input(self.workdir, id="workdir", compact=True)
+            yield Input(self.workdir, id="workdir", compact=True, select_on_focus=False)  # Tab in: no overwrite
             yield Label("Approve all")
             yield Switch(False, id="approve-all")
         yield Static("", id="agent-status")
@@ -142,6 +142,7 @@ class AgentScreen(Screen):
 
     def _decide(self, command: str | None, remember: bool | None = None) -> None:
         self.query_one("#approval").display = False
+        self.query_one("#task", Input).focus()  # not the hidden panel: the next thing typed is the next task
         self._decision, self._remember = command, remember
         self._decided.set()
 

@@ -31,7 +31,8 @@ class LocalRLApp(App):
     CSS_PATH = "app.tcss"
     BINDINGS = [Binding("f1", "switch_mode('train')", "Train", id="app.train"),
                 Binding("f2", "switch_mode('chat')", "Chat", id="app.chat"),
-                Binding("f3", "switch_mode('agent')", "Agent", id="app.agent")]
+                Binding("f3", "switch_mode('agent')", "Agent", id="app.agent"),
+                Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True)]
 
     model_status: reactive[str] = reactive("no model loaded: enter one above (a .gguf, a run or a model)")
 
@@ -42,8 +43,10 @@ class LocalRLApp(App):
         self.chat_model: ChatModel | None = None
         self.chat_source = ""  # what chat_model was loaded from (a GGUF, a run, a model)
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
+        self.runs_dir = Path(runs_dir)
         self._screens = {"train": lambda: TrainScreen(runs_dir, attach),
-                         "chat": lambda: ChatScreen(self.data_dir, model if isinstance(model, str) else ""),
+                         "chat": lambda: ChatScreen(self.data_dir, model if isinstance(model, str) else "",
+                                                    runs_dir=self.runs_dir),
                          "agent": lambda: AgentScreen(self.data_dir, workdir)}
         self._model = model
         self._start = start or ("train" if attach or not model else "chat")
@@ -73,11 +76,10 @@ class LocalRLApp(App):
         self.call_from_thread(setattr, self, "model_status", f"loading {source}...")
         try:
             model = open_chat_model(source)
-        except UserError as e:
-            self.call_from_thread(setattr, self, "model_status", f"cannot load: {e}")
-            return
-        except Exception as e:  # a broken file: shown, never fatal
-            self.call_from_thread(setattr, self, "model_status", f"cannot load {source}: {e}")
+        except Exception as e:  # a user error or a broken file: shown, never fatal
+            still = f"; still talking to {self.chat_source or self.chat_model.name}" if self.chat_model else ""
+            text = str(e) if isinstance(e, UserError) else f"{source}: {e}"
+            self.call_from_thread(setattr, self, "model_status", f"cannot load {text}{still}")
             return
         self.call_from_thread(self._set_model, model, f"model: {source}", source)
 

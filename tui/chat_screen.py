@@ -19,6 +19,8 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Header, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
+from localrl.chat import stream_fitted
+from localrl.runs import newest_run
 from localrl.tui.widgets import Message, save_record
 
 
@@ -57,9 +59,10 @@ class ChatScreen(Screen):
                 Binding("ctrl+o", "open", "Open chat", id="chat.open"),
                 Binding("ctrl+t", "toggle_thinking", "Thinking", id="chat.thinking")]
 
-    def __init__(self, data_dir: Path, source: str = "", max_tokens: int = 512):
+    def __init__(self, data_dir: Path, source: str = "", max_tokens: int = 512, runs_dir: Path | None = None):
         super().__init__()
         self.source = source
+        self.runs_dir = runs_dir
         self.folder = data_dir / "chats"
         self.max_tokens = max_tokens
         self.messages: list[dict] = []
@@ -67,6 +70,7 @@ class ChatScreen(Screen):
         self.cancel = threading.Event()
         self.streaming: Message | None = None
         self.thinking_collapsed = False
+        self.outgrown = False  # whether the model was told so already
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -82,6 +86,7 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.watch(self.app, "model_status", self._model_status)
         self.query_one("#conversation", VerticalScroll).anchor()
+        self._offer_newest_run()
         self.query_one("#prompt" if self.app.chat_model else "#source", Input).focus()
 
     def _model_status(self, status: str) -> None:
@@ -90,7 +95,16 @@ class ChatScreen(Screen):
             self.query_one("#prompt", Input).focus()
 
     def on_screen_resume(self) -> None:
+        self._offer_newest_run()
         self.query_one("#prompt" if self.app.chat_model else "#source", Input).focus()
+
+    def _offer_newest_run(self) -> None:
+        """With no model loaded and nothing typed, the source field offers the newest trained run (Enter loads it)."""
+        source = self.query_one("#source", Input)
+        if self.app.chat_model is None and not source.value.strip() and self.runs_dir is not None:
+            newest = newest_run(self.runs_dir)
+            if newest is not None:
+                source.value = str(newest)
 
     def on_unmount(self) -> None:
         self.cancel.set()
@@ -127,12 +141,21 @@ class ChatScreen(Screen):
     def _generate(self, messages: list[dict], reply: Message) -> None:
         note = ""
         try:
-            for delta in self.app.chat_model.stream(messages, max_tokens=self.max_tokens, cancel=self.cancel):
+            for delta in stream_fitted(self.app.chat_model, messages, self._outgrew, max_tokens=self.max_tokens,
+                                       cancel=self.cancel):
                 reply.feed(delta)
             note = "cancelled" if self.cancel.is_set() else ""
         except Exception as e:  # a model error is shown in the conversation, not raised into the app
             note = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         self.app.call_from_thread(self._done, reply, note)
+
+    def _outgrew(self, context: int | None) -> None:
+        """The conversation no longer fits the model's context: its oldest turns are left out (said once)."""
+        if not self.outgrown:
+            self.outgrown = True
+            self.app.call_from_thread(self.notify, "the conversation outgrew the model's context" + (
+                f" of {context} tokens" if context else "") + ": its oldest turns are left out from now on",
+                                      timeout=8)
 
     def _done(self, reply: Message, note: str) -> None:
         reply.finish(note)
@@ -153,7 +176,7 @@ class ChatScreen(Screen):
 
     def action_new(self) -> None:
         self.action_cancel()
-        self.streaming, self.messages, self.path = None, [], None
+        self.streaming, self.messages, self.path, self.outgrown = None, [], None, False
         self.query_one("#conversation", VerticalScroll).remove_children()
 
     def action_open(self) -> None:
@@ -166,7 +189,7 @@ class ChatScreen(Screen):
     def load_conversation(self, path: Path) -> None:
         self.action_new()
         data = json.loads(path.read_text(encoding="utf-8"))
-        self.messages, self.path = list(data.get("messages", [])), path
+        self.messages, self.path, self.outgrown = list(data.get("messages", [])), path, False
         conversation = self.query_one("#conversation", VerticalScroll)
         for m in self.messages:
             conversation.mount(Message(m["role"], m["content"]))

@@ -28,6 +28,7 @@ from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, R
 
 from localrl.config import TrainConfig, build_config, flag_name, parse_overrides
 from localrl.errors import UserError
+from localrl.metrics import eta_seconds, format_duration
 from localrl.runs import Run, is_run
 from localrl.tui.widgets import REDRAW_INTERVAL, MetricChart
 
@@ -65,14 +66,18 @@ def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainCo
     checks them (config.parse_overrides, then the trainer's preflight), before any weights load."""
     from localrl.trainer import preflight
 
-    argv = []
-    for field, value in values.items():
-        if value.strip():
-            argv += [flag_name(field), value.strip()]
     try:
         extra = shlex.split(flags)
     except ValueError as e:
         raise UserError(f"flags: {e}", field="flags") from None
+    in_flags = {a.partition("=")[0] for a in extra}
+    argv, labels, defaults = [], dict(FORM_FIELDS), TrainConfig()
+    for field, value in values.items():
+        if value.strip():
+            argv += [flag_name(field), value.strip()]
+        elif flag_name(field) not in in_flags:  # an emptied field is a mistake, not a wish for the default
+            raise UserError(f"{labels.get(field, field)}: empty; enter a value (the default is "
+                            f"{getattr(defaults, field)})", field=field)
     try:
         overrides = parse_overrides(argv + extra)
     except UserError as e:
@@ -129,6 +134,7 @@ class TrainScreen(Screen):
         self.follower = MetricsFollower(Run(self.run_dir).metrics_path) if self.run_dir else None
         self.total_steps = 0
         self.phase = ""  # what the run does before (or after) its steps: loading, evaluating
+        self.eta = ""  # the time left, from the steps the run has measured
         self._log_lines: deque[str] = deque()  # output waiting for the next redraw
         self._tail: deque[str] = deque(maxlen=20)  # the run's last output lines, unwrapped
         self.status = ""
@@ -141,7 +147,8 @@ class TrainScreen(Screen):
                 for field, label in FORM_FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(label)
-                        yield Input(str(getattr(defaults, field)), id=f"field-{field}", compact=True)
+                        yield Input(str(getattr(defaults, field)), placeholder=f"default {getattr(defaults, field)}",
+                                    id=f"field-{field}", compact=True)
                 with Horizontal(classes="field"):
                     yield Label("Flags")
                     yield Input("", placeholder="more flags: --beta 0 ...", id="field-flags", compact=True)
@@ -156,7 +163,7 @@ class TrainScreen(Screen):
                     for key, title, fmt in CHARTS:
                         yield MetricChart(key, title, fmt, id=f"chart-{key}")
                 yield Static("", id="reward-means", markup=False)
-                yield ProgressBar(total=None, show_eta=True, id="progress")
+                yield ProgressBar(total=None, show_eta=False, id="progress")  # the ETA: from measured steps
                 yield RichLog(id="log", max_lines=2000, wrap=True, min_width=20, markup=False)
         yield Footer()
 
@@ -258,7 +265,7 @@ class TrainScreen(Screen):
         warnings = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "warning"]
         warning = (f"\nwarning at step {warnings[-1].get('step', '?')}: {warnings[-1].get('message', '')}"
                    if warnings else "")
-        status.update(text + (f": {self.phase}" if self.phase else "") + self._eval_summary() + warning)
+        status.update(text + (f": {self.phase}" if self.phase else "") + self.eta + self._eval_summary() + warning)
         status.set_class(error, "-error")
 
     def _eval_summary(self) -> str:
@@ -297,6 +304,9 @@ class TrainScreen(Screen):
             self.phase = ""
             steps = [r["step"] for r in train if _number(r.get("step"))]
             bar.update(total=self.total_steps or None, progress=steps[-1] if steps else 0)
+            live = self.proc is None or self.running  # attached to a run, or training one
+            left = eta_seconds(train, self.total_steps) if self.total_steps and live else None
+            self.eta = f"  (step {steps[-1]}/{self.total_steps}, {format_duration(left)} left)" if left else ""
         self._set_status(self.status, self.query_one("#run-status").has_class("-error"))
 
     def on_unmount(self) -> None:
