@@ -133,19 +133,23 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
     if not _main_rank():  # under torchrun, rank 0 reports
         return 130 if result.interrupted else 0
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
-    before, after = result.eval_before, result.eval_after
-    if before and after:
-        what = "success" if cfg.env else "accuracy"
-        items, how = ("tasks", "greedy episodes") if cfg.env else ("problems", "greedy pass@1")
-        if before["n"] == after["n"]:
-            delta = 100 * (after["accuracy"] - before["accuracy"])
-            print(f"held-out {what} ({after['n']} {items}, {how}): "
-                  f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
-        else:  # a resume with another --eval-size: two different sets, so no difference is claimed
-            print(f"held-out {what} ({how}): before {before['accuracy']:.1%} on {before['n']} {items} -> after "
-                  f"{after['accuracy']:.1%} on {after['n']} {items} (different sets: not comparable; "
-                  f"`localrl eval` both on one set)")
+    if result.eval_before and result.eval_after:
+        print(before_after_line(result.eval_before, result.eval_after, bool(cfg.env)))
     return 130 if result.interrupted else 0
+
+
+def before_after_line(before: dict, after: dict, env: bool) -> str:
+    """The held-out result of a run, before -> after; a resume with another --eval-size measured the two on
+    different sets, so it says so and claims no difference."""
+    what = "success" if env else "accuracy"
+    items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
+    if before["n"] == after["n"]:
+        delta = 100 * (after["accuracy"] - before["accuracy"])
+        return (f"held-out {what} ({after['n']} {items}, {how}): "
+                f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+    return (f"held-out {what} ({how}): before {before['accuracy']:.1%} on {before['n']} {items} -> after "
+            f"{after['accuracy']:.1%} on {after['n']} {items} (different sets: not comparable; `localrl eval` "
+            f"both on one set)")
 
 
 def cmd_sft(args: argparse.Namespace, overrides: dict) -> int:

@@ -11,7 +11,7 @@ RECIPES: dict[str, Recipe] = {
     "tiny-arith": Recipe(),
     "tiny-arith-conf": Recipe(confidence=True),
     "tiny-arith-verbose": Recipe(restate=0.5),
-    "tiny-shell": ShellRecipe(steps=2000, batch_size=32, max_positions=512),
+    "tiny-shell": ShellRecipe(steps=5000, batch_size=32, max_positions=512, corpus_tasks=6000),
 }
 
 

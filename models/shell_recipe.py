@@ -1,12 +1,16 @@
 """The data of the built-in terminal agent, ``tiny-shell``: trajectories of scripted solvers.
 
-``recipe.corpus_tasks`` tasks from the training split (never a held-out one) are played once
+``recipe.corpus_tasks`` tasks from the training split (never a held-out one), their names placeholders
+(``shell_tasks.Placeholders``), are played once
 each in the sandbox by a scripted agent that types the task's expert commands, or with
 probability ``recipe.slip`` its careless ones (``ShellTask.slip``: ``wc -w`` for ``wc -l``, a
 lowercase grep, ``sed`` without ``-i``, ...), then answers from the last output. The model
 learns the protocol (one ``<tool_call>`` per turn, ``<answer>`` at the end) and both habits,
 the careless one more often, so greedy decoding solves only some tasks before RL, while
-sampling finds right trajectories often enough for GRPO to learn from.
+sampling finds right trajectories often enough for GRPO to learn from. Each time an episode goes into a
+batch its placeholders become fresh names from the seen side of the vocabulary (``shell_tasks.rename``), so
+the model meets some hundred thousand names and must copy them from the task: a corpus with fixed names was
+memorised, names and all, and miscopied names it had not seen (``vuzatu.csv`` became ``tezatu.csv``).
 
 The trajectories are encoded exactly as a multi-turn rollout sees them (``TurnFormat``: the
 chat template's tokens around each tool response), with loss on the agent's turns only. The
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 from localrl.agent_rollout import TurnFormat
 from localrl.envs.shell import ShellEnv, solve, task_list
-from localrl.envs.shell_tasks import sample_tasks
+from localrl.envs.shell_tasks import Names, rename, sample_tasks
 from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe, pad_batch
 from localrl.sft import episode_tokens
 
@@ -40,7 +44,7 @@ TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<
 
 def trajectories(recipe: ShellRecipe, rng: random.Random, log=print) -> list[tuple[str, list[tuple[str, str]]]]:
     """(instruction, [(agent turn, observation), ...]) for each corpus task; the last turn is the answer."""
-    tasks = sample_tasks(random.Random(rng.randrange(2**62)), recipe.corpus_tasks)
+    tasks = sample_tasks(random.Random(rng.randrange(2**62)), recipe.corpus_tasks, names="placeholders")
     env = ShellEnv(task_list(tasks), max_turns=8)
     out = []
     for i, task in enumerate(tasks):
@@ -77,21 +81,33 @@ def encode(tok, fmt: TurnFormat, instruction: str, turns: list[tuple[str, str]])
     return prompt + ids, [0] * len(prompt) + mask
 
 
+def renamed(episode: tuple[str, list[tuple[str, str]]], names: Names) -> tuple[str, list[tuple[str, str]]]:
+    """An episode with fresh names for its placeholders, the same ones in its instruction, commands and outputs."""
+    instruction, turns = episode
+    texts = rename([instruction] + [t for turn in turns for t in turn], names)
+    return texts[0], list(zip(texts[1::2], texts[2::2]))
+
+
 def shell_data(recipe: ShellRecipe, rng: random.Random, log=print):
     """(tokenizer, batch function) of the tiny-shell recipe."""
     corpus = trajectories(recipe, rng, log)
+    names = Names(random.Random(rng.randrange(2**62)), "seen")
+    # The tokenizer learns its merges from the episodes with their placeholders, so they spell the tasks' wording
+    # and commands, never a name: every name, seen or unseen, is spelt with the same short pieces, and copying a
+    # name the model never met is the same act as copying one it trained on.
     texts = [instruction + "\n" + "\n".join(f"{a}\n{o}" for a, o in turns) for instruction, turns in corpus]
     tok = build_tokenizer(texts, recipe.vocab_size)
     fmt = TurnFormat(tok, None)
-    examples = [encode(tok, fmt, instruction, turns) for instruction, turns in corpus]
-    examples = [e for e in examples if len(e[0]) <= recipe.max_positions]
-    lengths = sorted(len(ids) for ids, _ in examples)
-    log(f"trajectories: {len(examples)}, tokens per episode: median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    lengths = {i: len(encode(tok, fmt, *renamed(e, names))[0]) for i, e in enumerate(corpus)}
+    kept = [i for i in range(len(corpus)) if lengths[i] <= recipe.max_positions - 32]  # room for longer names
+    by_length = sorted(kept, key=lengths.get)  # episodes of similar lengths together: little of a batch is padding
+    log(f"trajectories: {len(kept)}, tokens per episode: median {lengths[by_length[len(kept) // 2]]}, "
+        f"max {lengths[by_length[-1]]}")
 
-    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
-
-    def batch():  # episodes of similar lengths together, so little of a batch is padding
-        start = rng.randrange(len(examples) - recipe.batch_size + 1)
-        return pad_batch([examples[i] for i in by_length[start:start + recipe.batch_size]], tok.pad_token_id)
+    def batch():  # each episode with fresh names, every time
+        start = rng.randrange(len(by_length) - recipe.batch_size + 1)
+        rows = [encode(tok, fmt, *renamed(corpus[i], names)) for i in by_length[start:start + recipe.batch_size]]
+        rows = [(ids[:recipe.max_positions], mask[:recipe.max_positions]) for ids, mask in rows]
+        return pad_batch(rows, tok.pad_token_id)
 
     return tok, batch

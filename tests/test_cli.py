@@ -125,3 +125,14 @@ def test_every_help_entry_says_what_it_means():
                 assert action.help, f"localrl {name} {action.option_strings[0]}: no help text"
     eval_help = parser.commands["eval"].format_help()
     assert "--eval-size VALUE" in eval_help and "held-out problems" in eval_help
+
+
+def test_a_before_and_after_on_different_eval_sizes_claims_no_difference():
+    """A resume with another --eval-size printed "before 34.0% -> after 99.0% (+65 points)" across 200 and 50."""
+    from localrl.cli import before_after_line
+
+    same = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 200}, env=False)
+    assert same == "held-out accuracy (200 problems, greedy pass@1): before 34.0% -> after 99.0% (+65.0 points)"
+    other = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 50}, env=True)
+    assert "on 200 tasks -> after 99.0% on 50 tasks (different sets: not comparable" in other
+    assert "points" not in other

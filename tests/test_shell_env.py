@@ -5,13 +5,14 @@ import gc
 import json
 import os
 import random
+import re
 import time
 
 import pytest
 
 from localrl.envs.shell import WORKDIR_PREFIX, ShellEnv, expert_call, generated_tasks, solve, task_list
-from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, generate, held_out_tasks, load_tasks, \
-    sample_tasks
+from localrl.envs.shell_tasks import COMMON_NAMES, EXAMPLE_NAMES, FAMILIES, LEVELS, Check, Names, ShellTask, \
+    generate, held_out_tasks, load_tasks, name_side, rename, sample_tasks
 from localrl.errors import UserError
 from localrl.sandbox import LEVELS as LEVELS_SANDBOX, level_works
 
@@ -100,6 +101,45 @@ def test_the_held_out_split_is_disjoint_and_the_task_space_large():
     assert len(train) > 2500 and len(held) == 150 and not train & held
     assert [t.key() for t in held_out_tasks(30)] == [t.key() for t in held_out_tasks(30)]
     assert {(t.family, t.level) for t in held_out_tasks(15)} == set(CELLS)
+
+
+def _words(task) -> set[str]:
+    text = " ".join([task.instruction, *task.files, *task.solution]).replace("\\b", " ")  # sed's \b: no letter
+    return set(re.findall(r"[a-z]+", text))
+
+
+# the words of the tasks' wording and commands: what is left of tasks whose names are all placeholders
+TEMPLATE_WORDS = set().union(*(_words(generate(s, names="placeholders")) for s in range(600))) - {"zq"}
+
+
+def _names_of(task) -> set[str]:
+    """The vocabulary words a task names: file stems (number suffixes off), directories, words it writes."""
+    return _words(task) - TEMPLATE_WORDS
+
+
+def test_names_come_from_a_large_vocabulary_and_held_out_tasks_name_only_unseen_ones():
+    """The built-in agent once knew only its generator's 32 file names: `grep -c ERROR lemon.log` for app.log."""
+    train = sample_tasks(random.Random(0), 2000)
+    held = held_out_tasks(150)
+    trained_names = set().union(*map(_names_of, train))
+    held_names = set().union(*map(_names_of, held))
+    assert len(trained_names) > 2000  # files, directories and words: read from the task, never recalled
+    assert all(name_side(n) == "seen" for n in trained_names)
+    assert all(name_side(n) == "unseen" for n in held_names) and not trained_names & held_names
+    assert {name_side(n) for n in EXAMPLE_NAMES} == {"unseen"}  # the README's app.log is never trained on
+    seen_held = held_out_tasks(30, names="seen")  # held out by content, named from the training side
+    assert not {t.key() for t in seen_held} & {t.key() for t in train}
+    assert all(name_side(n) == "seen" for t in seen_held for n in _names_of(t))
+
+
+def test_placeholders_give_an_episode_fresh_names_consistently():
+    task = generate(3, "multi", 1, names="placeholders")
+    assert "zq0zq" in task.instruction
+    texts = [task.instruction, *task.solution]
+    a, b = rename(texts, Names(random.Random(0))), rename(texts, Names(random.Random(1)))
+    assert a != b and not any("zq" in t for t in a + b)
+    first = a[0].split()[1]  # "Copy NAME.log into ...": the same name in the instruction and every command
+    assert first.endswith(".log") and first in a[2] and first in a[3]
 
 
 def test_a_users_jsonl_tasks(tmp_path):

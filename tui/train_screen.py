@@ -262,9 +262,9 @@ class TrainScreen(Screen):
     def _set_status(self, text: str, error: bool = False) -> None:
         self.status = text
         status = self.query_one("#run-status", Static)
-        warnings = [r for r in (self.follower.records if self.follower else []) if r.get("kind") == "warning"]
-        warning = (f"\nwarning at step {warnings[-1].get('step', '?')}: {warnings[-1].get('message', '')}"
-                   if warnings else "")
+        said = [r for r in (self.follower.records if self.follower else []) if r.get("kind") in ("warning", "note")]
+        warning = (f"\n{said[-1]['kind']} at step {said[-1].get('step', '?')}: {said[-1].get('message', '')}"
+                   if said else "")  # the latest warning, or note (every group solved)
         status.update(text + (f": {self.phase}" if self.phase else "") + self.eta + self._eval_summary() + warning)
         status.set_class(error, "-error")
 

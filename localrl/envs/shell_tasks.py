@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import stat
 import sys
 import threading
@@ -43,15 +44,101 @@ LEVELS = (1, 2, 3)
 HELD_OUT_ONE_IN = 10
 VERIFIER_TIMEOUT = 10.0  # seconds a user's verifier may take for one episode
 
-WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "amber", "cedar", "delta",
-         "ember", "frost", "grape", "honey", "ivory", "jolly", "koala", "lunar", "mango", "noble", "olive", "pearl",
-         "quartz", "raven", "solar", "tulip", "umber", "vivid", "willow", "zebra")
-NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "kim", "leo", "mia",
-         "nina", "omar", "paul", "rosa", "sam", "tina", "uma", "victor", "wendy")
+LOG_LEVELS = ("INFO", "INFO", "INFO", "WARN", "ERROR", "DEBUG")
+PEOPLE = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "kim", "leo", "mia",
+          "nina", "omar", "paul", "rosa", "sam", "tina", "uma", "victor", "wendy")
 CITIES = ("paris", "lima", "oslo", "rome", "tokyo", "cairo", "delhi", "quito", "seoul", "berlin")
 EXTS = ("txt", "log", "csv", "md", "tmp", "json")
-LOG_LEVELS = ("INFO", "INFO", "INFO", "WARN", "ERROR", "DEBUG")
-DIRS = ("data", "logs", "notes", "src", "docs", "archive", "backup", "reports")
+
+# -- names -----------------------------------------------------------------------------------------------
+# File, directory and word names come from a large vocabulary (words people name files with, and made-up
+# pronounceable names), so an agent must read each name from its task rather than recall it. The vocabulary
+# is split in two: training tasks use only ``seen`` names, and the held-out evaluation uses only ``unseen``
+# ones, so its figure is for names the model never met. The README's examples (EXAMPLE_NAMES) are unseen.
+
+COMMON_NAMES = ("notes", "report", "data", "config", "main", "readme", "todo", "users", "events", "output", "input",
+                "debug", "backup", "archive", "summary", "results", "orders", "sales", "people", "visits", "apple",
+                "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "amber", "cedar", "delta",
+                "ember", "frost", "grape", "honey", "ivory", "koala", "lunar", "mango", "olive", "pearl", "raven",
+                "solar", "tulip", "willow", "zebra", "draft", "index", "cache", "queue", "batch", "daily", "weekly",
+                "monthly", "budget", "invoice", "ledger", "metrics", "trace", "error", "alpha", "beta", "gamma",
+                "kernel", "client", "worker", "proxy", "router", "mail", "web", "api", "db", "docs", "src", "lib",
+                "logs", "tmp", "old", "new", "final", "temp", "test", "demo", "sample", "local", "remote", "site")
+EXAMPLE_NAMES = ("app", "server", "access", "system", "build", "deploy", "audit", "backend", "cron", "nginx")
+SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+NAME_SIDES = ("seen", "unseen")
+
+
+def name_side(name: str) -> str:
+    """Which side of the vocabulary a name is on: a quarter of names by hash, and every example name, are unseen."""
+    if name in EXAMPLE_NAMES or int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 4 == 0:
+        return "unseen"
+    return "seen"
+
+
+class Names:
+    """Names from one side of the vocabulary, drawn by ``rng``."""
+
+    def __init__(self, rng: random.Random, side: str = "seen"):
+        self.rng, self.side = rng, side
+
+    def word(self) -> str:
+        while True:
+            if self.rng.random() < 0.4:
+                name = self.rng.choice(COMMON_NAMES + EXAMPLE_NAMES)
+                if self.rng.random() < 0.4:  # a known word cut short or run on (`appl`, `notesa`): copy, never complete
+                    name = (name[:self.rng.randint(2, len(name) - 1)] if self.rng.random() < 0.5 and len(name) > 3
+                            else name + self.rng.choice(SYLLABLES))
+            else:
+                name = "".join(self.rng.choice(SYLLABLES) for _ in range(self.rng.randint(2, 3)))
+            if name_side(name) == self.side:
+                return name
+
+    def file(self, ext: str | None = None) -> str:
+        """``word.ext``, sometimes with a number (``notes_2.txt``, ``app-14.log``)."""
+        stem = self.word()
+        if self.rng.random() < 0.15:
+            stem += f"{self.rng.choice('_-')}{self.rng.randint(1, 99)}"
+        return f"{stem}.{ext or self.rng.choice(EXTS)}"
+
+    def distinct_files(self, k: int, ext: str | None = None) -> list[str]:
+        names: list[str] = []
+        while len(names) < k:
+            if (name := self.file(ext)) not in names:
+                names.append(name)
+        return names
+
+    def words(self, n: int) -> list[str]:
+        return [" ".join(self.word() for _ in range(self.rng.randint(1, 3))) for _ in range(n)]
+
+
+class Placeholders(Names):
+    """Stand-ins for every name a task draws (``zq0zq``, ``zq1zq``, ...: all distinct, and unlike any other word
+    of a task), so that an episode played once can be given fresh names any number of times (``rename``): the
+    built-in agent's recipe plays tasks with these, then sees each episode with new names every time."""
+
+    PATTERN = re.compile(r"zq\d+zq")
+
+    def __init__(self, rng: random.Random):
+        super().__init__(rng, "seen")
+        self.count = 0
+
+    def word(self) -> str:
+        self.count += 1
+        return f"zq{self.count - 1}zq"
+
+
+def rename(texts: list[str], names: Names) -> list[str]:
+    """``texts`` (one episode's) with each placeholder replaced by a distinct fresh name drawn from ``names``."""
+    fresh: dict[str, str] = {}
+    for placeholder in sorted({p for t in texts for p in Placeholders.PATTERN.findall(t)}):
+        fresh[placeholder] = next(w for w in iter(names.word, None) if w not in fresh.values())
+    return [Placeholders.PATTERN.sub(lambda m: fresh[m.group(0)], t) for t in texts]
+
+
+def _say(rng: random.Random, *wordings: str) -> str:
+    """One of several wordings of the same instruction (the first is the one the README quotes)."""
+    return rng.choice(wordings)
 
 
 @dataclass(frozen=True)
@@ -220,112 +307,111 @@ def _lines(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def _log(rng: random.Random, n: int) -> list[str]:
-    return [f"12:{rng.randrange(60):02d}:{rng.randrange(60):02d} {rng.choice(LOG_LEVELS)} {rng.choice(NAMES)} "
-            f"{rng.choice(WORDS)}" for _ in range(n)]
-
-
-def _words(rng: random.Random, n: int) -> list[str]:
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(n)]
+def _log(names: Names, n: int) -> list[str]:
+    rng = names.rng
+    return [f"12:{rng.randrange(60):02d}:{rng.randrange(60):02d} {rng.choice(LOG_LEVELS)} {rng.choice(PEOPLE)} "
+            f"{names.word()}" for _ in range(n)]
 
 
 def _csv(rng: random.Random, n: int) -> tuple[list[str], list[tuple[str, str, int]]]:
-    rows = [(rng.choice(NAMES), rng.choice(CITIES), rng.randint(1, 99)) for _ in range(n)]
+    rows = [(rng.choice(PEOPLE), rng.choice(CITIES), rng.randint(1, 99)) for _ in range(n)]
     return ["name,city,amount"] + [f"{a},{b},{c}" for a, b, c in rows], rows
-
-
-def _name(rng: random.Random, ext: str | None = None) -> str:
-    return f"{rng.choice(WORDS)}.{ext or rng.choice(EXTS)}"
-
-
-def _distinct(rng: random.Random, k: int, ext: str | None = None) -> list[str]:
-    names: list[str] = []
-    while len(names) < k:
-        if (name := _name(rng, ext)) not in names:
-            names.append(name)
-    return names
 
 
 # -- the families: each returns (instruction, files, check, solution, slip) -------------------------
 # A slip is what a careless agent types instead: plausible, and wrong (or only partly right). The
 # built-in agent model learns from trajectories that slip often, so that RL has something to fix.
 
-def _count(rng: random.Random, level: int):
+def _count(names: Names, level: int):
+    rng = names.rng
     if level == 1:
-        f, lines = _name(rng, "txt"), _words(rng, rng.randint(2, 9))
-        return (f"How many lines are in {f}?", {f: _lines(lines)}, Check(answer=str(len(lines))), (f"wc -l < {f}",),
-                (f"wc -w < {f}",))
+        f, lines = names.file("txt"), names.words(rng.randint(2, 9))
+        return (_say(rng, f"How many lines are in {f}?", f"How many lines does {f} have?", f"Count the lines in {f}."),
+                {f: _lines(lines)}, Check(answer=str(len(lines))), (f"wc -l < {f}",), (f"wc -w < {f}",))
     if level == 2:
-        f, lines, level_word = _name(rng, "log"), _log(rng, rng.randint(4, 10)), rng.choice(("ERROR", "WARN", "INFO"))
+        f, lines, level_word = names.file("log"), _log(names, rng.randint(4, 10)), rng.choice(("ERROR", "WARN", "INFO"))
         n = sum(level_word in line for line in lines)
-        return (f"How many lines of {f} contain {level_word}?", {f: _lines(lines)}, Check(answer=str(n)),
+        return (_say(rng, f"How many lines of {f} contain {level_word}?", f"How many {level_word} lines are in {f}?",
+                     f"Count the lines in {f} that contain {level_word}."),
+                {f: _lines(lines)}, Check(answer=str(n)),
                 (f"grep -c {level_word} {f}",), (f"grep -c {level_word.lower()} {f}",))
     ext = rng.choice(EXTS)
     files = {}
     for _ in range(rng.randint(2, 7)):
-        path = "/".join(rng.sample(DIRS, rng.randint(0, 2)) + [_name(rng)])
-        files[path] = rng.choice(WORDS) + "\n"
+        path = "/".join([names.word() for _ in range(rng.randint(0, 2))] + [names.file()])
+        if not any(p.startswith(path + "/") or path.startswith(p + "/") for p in files):
+            files[path] = names.word() + "\n"
     n = sum(p.endswith("." + ext) for p in files)
-    return (f"How many .{ext} files are there in this directory and its subdirectories?", files,
+    return (_say(rng, f"How many .{ext} files are there in this directory and its subdirectories?",
+                 f"Count the .{ext} files here, subdirectories included."), files,
             Check(answer=str(n)), (f"find . -type f -name '*.{ext}' | wc -l",), (f"ls *.{ext} | wc -l",))
 
 
-def _files(rng: random.Random, level: int):
-    others = {name: rng.choice(WORDS) + "\n" for name in _distinct(rng, rng.randint(1, 3))}
+def _files(names: Names, level: int):
+    rng = names.rng
+    others = {name: names.word() + "\n" for name in names.distinct_files(rng.randint(1, 3))}
     if level == 1:
         if rng.random() < 0.5:
-            d = rng.choice(DIRS)
-            return (f"Create a directory named {d}.", others, Check(files=others, dirs=(d,)), (f"mkdir {d}",),
-                    (f"touch {d}",))
-        f = next(n for n in iter(lambda: _name(rng), None) if n not in others)
-        return (f"Create an empty file named {f}.", others, Check(files={**others, f: ""}), (f"touch {f}",),
-                (f"mkdir {f}",))
+            d = names.word()
+            return (_say(rng, f"Create a directory named {d}.", f"Make a new directory called {d}."), others,
+                    Check(files=others, dirs=(d,)), (f"mkdir {d}",), (f"touch {d}",))
+        f = next(n for n in iter(names.file, None) if n not in others)
+        return (_say(rng, f"Create an empty file named {f}.", f"Make an empty file called {f}."), others,
+                Check(files={**others, f: ""}), (f"touch {f}",), (f"mkdir {f}",))
     src = next(iter(others))
     rest = {k: v for k, v in others.items() if k != src}
     if level == 2:
         if rng.random() < 0.5:
-            dst = next(n for n in iter(lambda: _name(rng), None) if n not in others)
-            return (f"Rename {src} to {dst}.", others, Check(files={**rest, dst: others[src]}, absent=(src,)),
-                    (f"mv {src} {dst}",), (f"cp {src} {dst}",))
-        return (f"Delete the file {src}.", others, Check(files=rest, absent=(src,)), (f"rm {src}",),
-                (f"truncate -s 0 {src}",))
-    ext, d = rng.choice(EXTS), rng.choice(DIRS)
-    moving = {name: rng.choice(WORDS) + "\n" for name in _distinct(rng, rng.randint(1, 4), ext)}
+            dst = next(n for n in iter(names.file, None) if n not in others)
+            return (_say(rng, f"Rename {src} to {dst}.", f"Change the name of {src} to {dst}."), others,
+                    Check(files={**rest, dst: others[src]}, absent=(src,)), (f"mv {src} {dst}",), (f"cp {src} {dst}",))
+        return (_say(rng, f"Delete the file {src}.", f"Remove {src}."), others, Check(files=rest, absent=(src,)),
+                (f"rm {src}",), (f"truncate -s 0 {src}",))
+    ext = rng.choice(EXTS)
+    d = next(n for n in iter(names.word, None) if not any(k.startswith(n + ".") for k in others))
+    moving = {name: names.word() + "\n" for name in names.distinct_files(rng.randint(1, 4), ext)}
     rest = {k: v for k, v in others.items() if not k.endswith("." + ext)}
     files = {**rest, **moving}
     moved = {f"{d}/{k}": v for k, v in moving.items()}
-    return (f"Move every .{ext} file into a new directory named {d}.", files,
+    return (_say(rng, f"Move every .{ext} file into a new directory named {d}.",
+                 f"Put all the .{ext} files into a new directory called {d}."), files,
             Check(files={**rest, **moved}, absent=tuple(moving), dirs=(d,)), (f"mkdir {d}", f"mv *.{ext} {d}/"),
             (f"mv *.{ext} {d}",))
 
 
-def _edit(rng: random.Random, level: int):
-    f = _name(rng, "txt")
+def _edit(names: Names, level: int):
+    rng = names.rng
+    f = names.file("txt")
     if level == 1:
-        word = rng.choice(WORDS)
-        return (f"Write the word {word} into a file named {f}.", {}, Check(files={f: word}), (f"echo {word} > {f}",),
-                (f"echo {f} > {word}",))
-    lines = _words(rng, rng.randint(1, 5))
+        word = names.word()
+        return (_say(rng, f"Write the word {word} into a file named {f}.", f"Create {f} containing the word {word}."),
+                {}, Check(files={f: word}), (f"echo {word} > {f}",), (f"echo {f} > {word}",))
+    lines = names.words(rng.randint(1, 5))
     if level == 2:
-        word = rng.choice(WORDS)
-        return (f"Append the line {word} to {f}.", {f: _lines(lines)}, Check(files={f: _lines(lines + [word])}),
-                (f"echo {word} >> {f}",), (f"echo {word} > {f}",))
+        word = names.word()
+        return (_say(rng, f"Append the line {word} to {f}.", f"Add a line {word} at the end of {f}."),
+                {f: _lines(lines)}, Check(files={f: _lines(lines + [word])}), (f"echo {word} >> {f}",),
+                (f"echo {word} > {f}",))
     old = rng.choice(" ".join(lines).split())
-    new = rng.choice([w for w in WORDS if w != old])
+    new = next(w for w in iter(names.word, None) if w != old)
     replaced = [" ".join(new if w == old else w for w in line.split()) for line in lines]
-    return (f"Replace every {old} with {new} in {f}.", {f: _lines(lines)}, Check(files={f: _lines(replaced)}),
+    return (_say(rng, f"Replace every {old} with {new} in {f}.", f"In {f}, change every {old} to {new}."),
+            {f: _lines(lines)}, Check(files={f: _lines(replaced)}),
             (f"sed -i 's/\\b{old}\\b/{new}/g' {f}",), (f"sed 's/{old}/{new}/g' {f}",))
 
 
-def _csv_task(rng: random.Random, level: int):
-    f = rng.choice(("people", "sales", "orders", "visits")) + ".csv"
+def _csv_task(names: Names, level: int):
+    rng = names.rng
+    f = names.file("csv")
     text, rows = _csv(rng, rng.randint(2, 8))
     files = {f: _lines(text)}
     if level == 1:
-        return (f"How many data rows (not counting the header) does {f} have?", files, Check(answer=str(len(rows))),
+        return (_say(rng, f"How many data rows (not counting the header) does {f} have?",
+                     f"Count the rows of {f}, not counting its header."), files, Check(answer=str(len(rows))),
                 (f"tail -n +2 {f} | wc -l",), (f"wc -l < {f}",))
     if level == 2:
-        return (f"What is the sum of the amount column in {f}?", files, Check(answer=str(sum(r[2] for r in rows))),
+        return (_say(rng, f"What is the sum of the amount column in {f}?", f"Add up the amount column of {f}."),
+                files, Check(answer=str(sum(r[2] for r in rows))),
                 (f"awk -F, 'NR > 1 {{ s += $3 }} END {{ print s }}' {f}",),
                 (f"awk -F, 'NR > 1 {{ s += $2 }} END {{ print s + 0 }}' {f}",))
     col, k = rng.choice((("name", 1), ("city", 2)))
@@ -336,17 +422,18 @@ def _csv_task(rng: random.Random, level: int):
             (f"cut -d, -f{k} {f} | sort -u > {out}",))
 
 
-def _multi(rng: random.Random, level: int):
-    f, lines = _name(rng, "log"), _log(rng, rng.randint(4, 9))
+def _multi(names: Names, level: int):
+    rng = names.rng
+    f, lines = names.file("log"), _log(names, rng.randint(4, 9))
     files = {f: _lines(lines)}
     if level == 1:
-        d = rng.choice(DIRS)
+        d = names.word()
         return (f"Copy {f} into a new directory named {d}, then say how many lines it has.", files,
                 Check(answer=str(len(lines)), files={**files, f"{d}/{f}": _lines(lines)}),
                 (f"mkdir {d}", f"cp {f} {d}/", f"wc -l < {d}/{f}"), (f"wc -l < {f}",))
     word = rng.choice(("ERROR", "WARN", "INFO"))
     matching = [line for line in lines if word in line]
-    out = word.lower() + "s.txt"
+    out = names.file("txt")
     if level == 2:
         return (f"Count the lines of {f} that contain {word} and write the number into {out}.", files,
                 Check(files={**files, out: str(len(matching))}), (f"grep -c {word} {f} > {out}",),
@@ -359,33 +446,39 @@ def _multi(rng: random.Random, level: int):
 _FAMILY = {"count": _count, "files": _files, "edit": _edit, "csv": _csv_task, "multi": _multi}
 
 
-def generate(seed: int, family: str | None = None, level: int | None = None) -> ShellTask:
-    """The task drawn by ``seed`` (a family and level drawn too unless given)."""
+def generate(seed: int, family: str | None = None, level: int | None = None, names: str = "seen") -> ShellTask:
+    """The task drawn by ``seed`` (a family and level drawn too unless given), its names from one side of the
+    vocabulary (``names``: seen or unseen) or ``placeholders`` (``Placeholders``)."""
     rng = random.Random(f"shell-task-{seed}")
     family = family or rng.choice(FAMILIES)
     level = level or rng.choice(LEVELS)
-    instruction, files, check, solution, slip = _FAMILY[family](rng, level)
+    drawn = Placeholders(rng) if names == "placeholders" else Names(rng, names)
+    instruction, files, check, solution, slip = _FAMILY[family](drawn, level)
     return ShellTask(instruction, files, check, family, level, solution, slip)
 
 
 def sample_tasks(rng: random.Random, n: int, held_out: bool = False, families: tuple[str, ...] = FAMILIES,
-                 levels: tuple[int, ...] = LEVELS) -> list[ShellTask]:
-    """``n`` tasks from one side of the split, drawn by ``rng``."""
+                 levels: tuple[int, ...] = LEVELS, names: str | None = None) -> list[ShellTask]:
+    """``n`` tasks from one side of the split, drawn by ``rng``: training tasks name only seen names,
+    held-out ones only unseen names (unless ``names`` says otherwise)."""
     tasks: list[ShellTask] = []
+    names = names or ("unseen" if held_out else "seen")
     while len(tasks) < n:
-        task = generate(rng.randrange(2**62), rng.choice(families), rng.choice(levels))
+        task = generate(rng.randrange(2**62), rng.choice(families), rng.choice(levels), names)
         if task.is_held_out() == held_out:
             tasks.append(task)
     return tasks
 
 
-def held_out_tasks(n: int, families: tuple[str, ...] = FAMILIES, levels: tuple[int, ...] = LEVELS) -> list[ShellTask]:
-    """The fixed held-out set: the same ``n`` tasks for every run, spread evenly over families and levels."""
+def held_out_tasks(n: int, families: tuple[str, ...] = FAMILIES, levels: tuple[int, ...] = LEVELS,
+                   names: str = "unseen") -> list[ShellTask]:
+    """The fixed held-out set: the same ``n`` tasks for every run, spread evenly over families and levels, naming
+    files the model never saw in training (``names="seen"``: held-out tasks with training names, to compare)."""
     cells = [(f, lv) for f in families for lv in levels]
     tasks, seed = [], 0
     while len(tasks) < n:
         family, level = cells[len(tasks) % len(cells)]
-        task = generate(10**9 + seed, family, level)
+        task = generate(10**9 + seed, family, level, names)
         seed += 1
         if task.is_held_out():
             tasks.append(task)
