@@ -19,6 +19,7 @@ steps (pairs bootstrap).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,12 +125,15 @@ def fit_sigmoid(c, y) -> Fit:
     return Fit(float(r0[0]), float(a[0]), float(np.exp(x[1])), float(np.exp(x[0])), float(np.sqrt(sse[0] / len(c))))
 
 
-def bootstrap(c, y, samples: int = 200, seed: int = 0) -> dict[str, tuple[float, float]]:
-    """95% intervals of each parameter over refits of resampled points."""
+def bootstrap(c, y, samples: int = 200, seed: int = 0,
+              progress: Callable[[int, int], None] | None = None) -> dict[str, tuple[float, float]]:
+    """95% intervals of each parameter over refits of resampled points; ``progress(done, samples)`` after each."""
     c, y = np.asarray(c, dtype=float), np.asarray(y, dtype=float)
     rng = np.random.default_rng(seed)
     fits = []
-    for _ in range(samples):
+    for i in range(samples):
+        if progress is not None:
+            progress(i, samples)
         idx = rng.integers(0, len(c), len(c))
         if len(np.unique(c[idx])) < MIN_POINTS - 1:
             continue
@@ -190,11 +194,12 @@ def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = 
 
 
 def analyze_run(run_dir: str | Path, metric: str = "reward_mean", compute: str = "tokens",
-                samples: int = 200) -> RunCurve:
+                samples: int = 200, progress: Callable[[int, int], None] | None = None) -> RunCurve:
+    """The run's fit; ``progress(done, samples)`` through the bootstrap refits (the slow part: seconds a run)."""
     c, y, planned = run_points(run_dir, metric, compute)
     with np.errstate(all="ignore"):  # a hopeless candidate curve overflows on the way; the fit says so itself
         fit = fit_sigmoid(c, y)
-        intervals = bootstrap(c, y, samples) if fit.pins_asymptote(c) else {}
+        intervals = bootstrap(c, y, samples, progress=progress) if fit.pins_asymptote(c) else {}
     per_step = c[-1] / len(c)
     end = per_step * planned if compute != "steps" else float(planned)
     return RunCurve(Path(run_dir).name, c, y, fit, intervals, len(c), planned, end, float(fit.predict([end])[0]))

@@ -68,7 +68,8 @@ class ProgressBar:
             if "total" not in record:
                 self.log(record["message"])
             elif record["total"]:
-                task = self._task(f"eval-{record.get('when')}", f"eval {record.get('when')}", record["total"])
+                label = record.get("label") or f"eval {record.get('when')}"
+                task = self._task(label, label, record["total"])
                 self.progress.update(task, completed=record["done"])
         elif kind == "eval":
             self.log(f"eval {record['when']}: {_eval_line(record)}")
@@ -447,7 +448,14 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                         f"(got {args.samples})")
     out = args.out or str(Path(args.runs[0]) / "scaling.png")  # beside the run's other plots, as `plot` writes
     _check_png_path(out, "analyze --out")  # before the fits, not after them
-    curves = [analyze_run(run, args.metric, args.compute, args.samples) for run in args.runs]
+    bar = ProgressBar(0)
+    try:
+        curves = [analyze_run(run, args.metric, args.compute, args.samples,
+                              lambda done, total, run=run: bar({"kind": "status", "label": f"fit {Path(run).name}",
+                                                                "done": done + 1, "total": total}))
+                  for run in args.runs]
+    finally:
+        bar.close()
     for curve in curves:
         print(describe(curve, args.metric, args.compute))
     out = plot_curves(curves, out, args.metric, args.compute)

@@ -121,3 +121,10 @@ def test_the_learning_curve_shows_rewards_above_one_and_below_zero(tmp_path):
     lines = Run(run).metrics_path.read_text().splitlines()
     Run(run).metrics_path.write_text("".join(json.dumps({**json.loads(x), "accuracy": 0.5}) + "\n" for x in lines))
     assert plot_run(run, tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_bootstrap_reports_its_progress(tmp_path):
+    """analyze once printed nothing for the 25-80 s its refits took."""
+    seen = []
+    analyze_run(synthetic_run(tmp_path / "run"), samples=12, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, 12) for i in range(12)]
