@@ -144,12 +144,12 @@ def evaluate_episodes(model, tok, setup: EnvSetup, cfg: TrainConfig, stops: list
     model.eval()
     by_family: dict[str, list[float]] = defaultdict(list)
     rewards, turns, calls, invalid, shown = [], 0.0, 0.0, 0.0, []
-    progress = item_progress(progress)
+    items = item_progress(progress)  # within a batch: at most once a second; each batch's start always
     for i in range(0, len(tasks), batch_size):
         if progress is not None:
             progress(i, len(tasks))
         chunk = tasks[i:i + batch_size]
-        ended = None if progress is None else (lambda finished, i=i: progress(i + finished, len(tasks)))
+        ended = None if items is None else (lambda finished, i=i: items(i + finished, len(tasks)))
         out = run_episodes(model, tok, lambda: setup.make_env(task_list(chunk)), list(range(len(chunk))), 1,
                            cfg.max_new_tokens, stops, 0.0, None, max_context, cfg.env_workers, setup.system, ended)
         for task, episode in zip(chunk, out.episodes):

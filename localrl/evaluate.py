@@ -36,20 +36,20 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
 def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: list[float],
              max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None,
              system: str | None = None, samples: int = 0, generate: Generate | None = None) -> dict:
-    """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)``
-    follows the items as they are decoded (``item_progress``: at most once a second). With ``samples``, the first few completions come back too,
+    """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)`` at
+    each batch's start and, within a batch, as its items are decoded (``item_progress``: at most once a
+    second). With ``samples``, the first few completions come back too,
     each with its prompt, reference answer and rewards, so a user can see why a model scores as it does.
     ``generate``: who decodes (training passes its llama.cpp sampler); by default the torch model does."""
     was_training = model.training
     model.eval()
-    progress = item_progress(progress)
+    items = item_progress(progress)  # within a batch: at most once a second; each batch's start always
     start = 0  # the first item of the batch being decoded
     if generate is None:
         stops = stop_token_ids(tok, model)
 
         def generate(prompts: list[list[int]]) -> Rollout:
-            within = None if progress is None else (
-                lambda share: progress(start + int(share * len(prompts)), len(rows)))
+            within = None if items is None else (lambda share: items(start + int(share * len(prompts)), len(rows)))
             return sample_groups(model, prompts, 1, max_new_tokens, stops, tok.pad_token_id, temperature=0.0,
                                  on_token=within)
     correct, total, shown, tokens, all_texts = [], [], [], 0, []
