@@ -747,14 +747,13 @@ class _Parser(argparse.ArgumentParser):
     closest one."""
 
     def error(self, message: str):
+        what = self.prog.removeprefix("localrl").strip()  # the subcommand, or "" for localrl itself
         bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if bad:
             choices = re.findall(r"'([^']*)'", bad.group(2))
             hint = _closest(bad.group(1), choices, f"{self.prog} -h")
-            what = self.prog.removeprefix("localrl").strip()
             raise UserError(f"{what + ': ' if what else ''}unknown {'choice' if what else 'command'} "
                             f"{bad.group(1)!r}{hint}")
-        what = self.prog.removeprefix("localrl").strip()
         raise UserError(f"{what + ': ' if what else ''}{message} (see {self.prog} -h)")
 
 

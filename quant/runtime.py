@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from functools import cache
 from typing import Iterator
 
 from localrl.errors import UserError
@@ -42,6 +43,7 @@ def require_llama_cpp(what: str):
 EXTRA_BUFFERS_ENV = "LOCALRL_LLAMA_EXTRA_BUFFERS"
 
 
+@cache
 def cpu_has_amx() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
