@@ -144,11 +144,13 @@ def stream_fitted(model: ChatModel, messages: list[dict], on_drop=None, **kwargs
 
 
 def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, system: str | None = None,
-                  temperature: float = 0.2, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
-                  stderr: TextIO = sys.stderr) -> None:
+                  temperature: float = 0.2, stdin: TextIO | None = None, stdout: TextIO | None = None,
+                  stderr: TextIO | None = None) -> None:
     """A plain streaming chat with a GGUF, a run or a model: one user line per turn; an empty
     line, EOF or /exit ends it. When the conversation outgrows the model's context its oldest turns are
-    dropped, said once on ``stderr`` (where the banner goes too: ``stdout`` holds only the replies)."""
+    dropped, said once on ``stderr`` (where the banner goes too: ``stdout`` holds only the replies).
+    The streams default to the process's at the time of the call."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     model = open_chat_model(source, n_ctx)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()

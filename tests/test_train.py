@@ -330,3 +330,28 @@ def test_truncated_completions_can_be_left_out_of_a_single_turn_loss(tmp_path):
     assert record["truncated"] == 1.0 and record["frac_reward_zero_std"] < 1
     adapter = load_file(str(tmp_path / "run" / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
     assert all((v == 0).all() for k, v in adapter.items() if "lora_B" in k)
+
+
+def test_a_run_with_less_free_memory_than_configured_plans_smaller_and_says_so(builtin_model, tmp_path, monkeypatch):
+    """Without memory_budget the budget is the free memory: a step that does not fit it as configured is
+    planned smaller (rollouts a few prompts at a time, the update in micro-batches), said in the run's first
+    lines, and learns the same (the same completions, the same loss to float rounding)."""
+    cfg = dict(steps=1, prompts_per_step=8, group_size=8, save_every=1, rollout="torch")
+    roomy = train(small(tmp_path / "roomy", **cfg), log=QUIET["log"])
+    lines = []
+    monkeypatch.setenv("LOCALRL_FREE_MEMORY", "530MB")  # standing in for a machine with little free
+    tight = train(small(tmp_path / "tight", **cfg), log=lines.append)
+    [plan_line] = [line for line in lines if line.startswith("memory: to fit the budget")]
+    at_once = int(re.search(r"rollouts (\d+) prompts at a time \(of 8\)", plan_line).group(1))
+    micro_batch = int(re.search(r"micro-batches of (\d+) completions", plan_line).group(1))
+    assert at_once < 8 and micro_batch < 64
+    [note] = [r for r in read_metrics(Run(tight.run_dir).metrics_path) if r["kind"] == "note"]
+    assert note["message"] == plan_line
+    [a], [b] = train_records(roomy.run_dir), train_records(tight.run_dir)
+    assert (a["micro_batch"], b["micro_batch"]) == (64, micro_batch)
+    assert a["reward_mean"] == b["reward_mean"] and a["completion_len"] == b["completion_len"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    monkeypatch.setenv("LOCALRL_FREE_MEMORY", "450MB")  # less than the smallest plan: one line, before loading
+    with pytest.raises(UserError, match=r"cannot hold the update's smallest plan .* needs a budget of at least 0\.4"):
+        train(small(tmp_path / "none", **cfg), log=QUIET["log"])
+    assert not (tmp_path / "none").exists()
