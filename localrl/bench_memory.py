@@ -43,8 +43,8 @@ class MemoryCase:
 # Sizes users fine-tune, at budgets that make the planner split (cases beside the default list: --model)
 DEFAULT_CASES = (
     MemoryCase("smollm2-135m"),
-    MemoryCase("smollm2-135m", budget="1.1GB"),
-    MemoryCase("qwen2.5-0.5b", quantize="nf4", budget="2GB"),
+    MemoryCase("smollm2-135m", budget="1.8GB"),
+    MemoryCase("qwen2.5-0.5b", quantize="nf4", budget="2.5GB"),
 )
 
 
@@ -193,6 +193,6 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
                      "ratio": measured[name] / predicted[name],
                      "under_budget": budget.bytes is None or measured[name] <= budget.bytes,
                      "seconds": seconds[name]})
-    described = (f"micro_batch {plan.micro_batch}, checkpointing {'on' if plan.checkpointing else 'off'}, "
+    described = (f"micro_batch {plan.micro_batch or case.prompts * case.group}, checkpointing {'on' if plan.checkpointing else 'off'}, "
                  f"rollouts {at_once}/{case.prompts} prompts, eval {evals}")
     return {"phases": rows, "budget_gib": (budget.bytes or 0) / GIB if case.budget else 0.0, "plan": described}
