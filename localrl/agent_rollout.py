@@ -148,11 +148,13 @@ class AgentRollout:
 def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, max_new_tokens: int,
                  stop_ids: list[int], temperature: float, generator: torch.Generator | None = None,
                  max_context: int = 2048, workers: int = 8, system: str | None = None,
-                 on_turn: Callable[[int], None] | None = None) -> AgentRollout:
+                 on_turn: Callable[[int], None] | None = None, tasks_at_once: int | None = None) -> AgentRollout:
     """``group_size`` episodes of each task (``task_seeds``: one environment seed per task; a group's
     episodes share it and so their task and prompt). ``make_env()`` builds one environment; ``system``: the
     system message every episode starts with (None: none); ``on_turn(finished)`` after each round of turns:
-    how many episodes have ended (for progress)."""
+    how many episodes have ended (for progress); ``tasks_at_once``: decode at most this many tasks' episodes
+    together (the memory plan's; default all)."""
+    at_once = max(1, tasks_at_once or len(task_seeds))
     t0 = time.monotonic()
     fmt = TurnFormat(tok, system)
     episodes: list[Episode] = []
@@ -169,13 +171,15 @@ def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, m
         while live := [e for e in episodes if not e.done]:
             t_model = time.monotonic()
             if first:  # every episode starts from its task's prompt: one prefill per task
-                turns = _sample(model, prompts, group_size, max_new_tokens, stop_ids, tok.pad_token_id, temperature,
-                                generator)
+                turns = [ids for i in range(0, len(prompts), at_once)
+                         for ids in _sample(model, prompts[i:i + at_once], group_size, max_new_tokens, stop_ids,
+                                            tok.pad_token_id, temperature, generator)]
                 first = False
             else:
-                contexts = [prompts[e.prompt] + e.tokens for e in live]
-                turns = _sample(model, contexts, 1, max_new_tokens, stop_ids, tok.pad_token_id, temperature,
-                                generator)
+                contexts, rows = [prompts[e.prompt] + e.tokens for e in live], at_once * group_size
+                turns = [ids for i in range(0, len(contexts), rows)
+                         for ids in _sample(model, contexts[i:i + rows], 1, max_new_tokens, stop_ids,
+                                            tok.pad_token_id, temperature, generator)]
             model_seconds += time.monotonic() - t_model
             turns = [cut_at_tool_call(tok, ids) for ids in turns]
             texts = [tok.decode(ids, skip_special_tokens=True) for ids in turns]

@@ -96,8 +96,11 @@ def agent_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConf
     seed = cfg.seed * 1_000_003 + step
     generator = torch.Generator(device=device).manual_seed(seed if w.rank == 0 else (seed * 1_000_033 + w.rank) % 2**63)
     seeds = task_seeds(cfg, step, w.size)[w.shard(cfg.prompts_per_step)]
+    at_once = None if budget is None else budget.rollout_prompts(len(seeds), cfg.group_size, budget.longest_prompt,
+                                                                  budget.cfg.max_new_tokens)
     episodes = run_episodes(model, tok, setup.make_env, seeds, cfg.group_size, cfg.max_new_tokens,
-                            stops, cfg.temperature, generator, max_context, cfg.env_workers, setup.system)
+                            stops, cfg.temperature, generator, max_context, cfg.env_workers, setup.system,
+                            tasks_at_once=at_once)
     t_gen = time.time() - t0
     rollout = episodes.rollout
     rewards = torch.tensor(episodes.rewards, dtype=torch.float64)

@@ -132,7 +132,6 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     from localrl.rollout import concat_rollouts, group_generators, sample_groups
 
     return_freed_memory()
-    torch.set_num_threads(torch.get_num_threads())
     device = torch.device(device_name)
     cfg = TrainConfig(model=path, prompts_per_step=case.prompts, group_size=case.group,
                       max_new_tokens=case.completion_len, quantize=case.quantize, memory_budget=case.budget,
@@ -193,6 +192,7 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
                      "ratio": measured[name] / predicted[name],
                      "under_budget": budget.bytes is None or measured[name] <= budget.bytes,
                      "seconds": seconds[name]})
-    described = (f"micro_batch {plan.micro_batch or case.prompts * case.group}, checkpointing {'on' if plan.checkpointing else 'off'}, "
-                 f"rollouts {at_once}/{case.prompts} prompts, eval {evals}")
+    described = (f"micro_batch {plan.micro_batch or case.prompts * case.group}, "
+                 f"checkpointing {'on' if plan.checkpointing else 'off'}, rollouts {at_once}/{case.prompts} prompts, "
+                 f"eval {evals}")
     return {"phases": rows, "budget_gib": (budget.bytes or 0) / GIB if case.budget else 0.0, "plan": described}

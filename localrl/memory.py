@@ -105,7 +105,7 @@ class Plan:
         lines = [f"plan: micro_batch={self.micro_batch} completions, logits_chunk={self.logits_chunk} tokens, "
                  f"checkpointing={'on' if self.checkpointing else 'off'}",
                  f"predicted peak: {gib(self.peak_bytes)}"
-                 + (f" of a {gib(self.budget_bytes)} budget" if self.budget_bytes else "")
+                 + (f" of the {gib(self.budget_bytes)} a budget leaves the step" if self.budget_bytes else "")
                  + ("" if self.fits else "  -- DOES NOT FIT")]
         lines += [f"  {k:<11} {gib(v)}" for k, v in self.parts.items()]
         return "\n".join(lines)
@@ -268,8 +268,9 @@ class MemoryBudget:
     activation checkpointing; where nothing fits, the run stops before the model loads, naming the phase.
     """
 
-    def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0):
+    def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0, torch_decodes: bool = True):
         self.shape, self.cfg, self.in_4bit, self.extra = shape, cfg, in_4bit, extra
+        self.torch_decodes = torch_decodes  # False: llama.cpp samples and evaluates (its memory is in ``extra``)
         self.dtype_bytes = _dtype_bytes(device)
         if cfg.memory_budget:
             self.bytes, self.source = parse_bytes(cfg.memory_budget), "memory_budget"
@@ -278,15 +279,17 @@ class MemoryBudget:
             self.bytes = None if free is None else int(free * (1 - FREE_MARGIN))
             self.source = "" if free is None else (f"{free / GIB:.2f} GiB free at start less {FREE_MARGIN:.0%}, "
                                                      f"as memory_budget is empty")
+        self.longest_prompt = 0  # tokens (for_run sets it): what the run's phases are planned for
         self.base = runtime_bytes(device) + extra  # held all run, whatever the model
         self.held = self.base + static_bytes(shape, cfg.lora_rank, in_4bit, self.dtype_bytes)  # once it has loaded
         self._checkpointing = False
 
     @classmethod
     def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool,
-                extra: int = 0) -> "MemoryBudget":
+                extra: int = 0, torch_decodes: bool = True) -> "MemoryBudget":
         """The budget, checked phase by phase against the longest prompt, before any weights load."""
-        budget = cls(shape, cfg, device, in_4bit, extra)
+        budget = cls(shape, cfg, device, in_4bit, extra, torch_decodes)
+        budget.longest_prompt = longest_prompt
         budget.check(longest_prompt, cfg.max_new_tokens)
         return budget
 
@@ -299,15 +302,26 @@ class MemoryBudget:
         """What the plan may predict: the budget less ``PLAN_MARGIN`` of it, for the predictions' error."""
         return int(self.bytes / (1 + PLAN_MARGIN))
 
+    @property
+    def _eval_prompts(self) -> int:
+        """Held-out prompts decoded at once as configured (0: the run evaluates nothing)."""
+        return min(self.cfg.eval_batch_size, self.cfg.eval_size)
+
+    def _decode(self, prompts: int, group: int, prompt_len: int, completion_len: int) -> int:
+        """A torch decoding phase's peak (the process's), or what llama.cpp decoding adds to it: nothing."""
+        if not self.torch_decodes:
+            return self.held
+        return self.held + decode_bytes(self.shape, prompts, group, prompt_len, completion_len, self.dtype_bytes)
+
     def _needs(self, prompt_len: int, completion_len: int) -> dict[str, int]:
         """Each phase's smallest predicted peak (its smallest plan)."""
         c, s, b = self.cfg, self.shape, self.dtype_bytes
         smallest = plan_step(s, c.prompts_per_step, c.group_size, prompt_len, completion_len, 0, c.lora_rank,
                              self.in_4bit, b)
         return {"load": self.base + load_bytes(s, c.lora_rank, self.in_4bit, b),
-                "rollout": self.held + decode_bytes(s, 1, c.group_size, prompt_len, completion_len, b),
+                "rollout": self._decode(1, c.group_size, prompt_len, completion_len),
                 "update": self.base + smallest.peak_bytes,
-                "evaluation": self.held + decode_bytes(s, 1, 1, prompt_len, completion_len, b)}
+                **({"evaluation": self._decode(1, 1, prompt_len, completion_len)} if self._eval_prompts else {})}
 
     def check(self, prompt_len: int, completion_len: int) -> None:
         """Refuse, naming the phase and the smallest budget that would do, a run that cannot fit."""
@@ -346,19 +360,18 @@ class MemoryBudget:
         """How many of ``prompts`` to sample at once (each with ``group`` completions): all, or the most whose
         caches fit (at least one)."""
         n = prompts
-        while n > 1 and self.limited and \
-                self.held + decode_bytes(self.shape, n, group, prompt_len, completion_len, self.dtype_bytes) > self.usable:
+        while n > 1 and self.limited and self._decode(n, group, prompt_len, completion_len) > self.usable:
             n = (n + 1) // 2
         return n
 
     def phases(self, prompt_len: int, completion_len: int) -> dict[str, int]:
         """Each phase's predicted peak (bytes of the whole process) as planned."""
-        c, b = self.cfg, self.dtype_bytes
+        c = self.cfg
         at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
-        evals = self.rollout_prompts(c.eval_batch_size, 1, prompt_len, completion_len)
-        return {"load": self.base + load_bytes(self.shape, c.lora_rank, self.in_4bit, b),
-                "evaluation": self.held + decode_bytes(self.shape, evals, 1, prompt_len, completion_len, b),
-                "rollout": self.held + decode_bytes(self.shape, at_once, c.group_size, prompt_len, completion_len, b),
+        evals = self.rollout_prompts(self._eval_prompts, 1, prompt_len, completion_len)
+        return {"load": self.base + load_bytes(self.shape, c.lora_rank, self.in_4bit, self.dtype_bytes),
+                **({"evaluation": self._decode(evals, 1, prompt_len, completion_len)} if evals else {}),
+                "rollout": self._decode(at_once, c.group_size, prompt_len, completion_len),
                 "update": self.base + self.plan(prompt_len, completion_len).peak_bytes}
 
     def describe(self, prompt_len: int, completion_len: int) -> list[str]:
@@ -370,7 +383,7 @@ class MemoryBudget:
         c = self.cfg
         plan = self.plan(prompt_len, completion_len)
         at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
-        evals = self.rollout_prompts(c.eval_batch_size, 1, prompt_len, completion_len)
+        evals = self.rollout_prompts(self._eval_prompts, 1, prompt_len, completion_len)
         phases = self.phases(prompt_len, completion_len)
         lines = [f"memory: a {self.bytes / GIB:.2f} GiB budget ({self.source}); predicted peaks: "
                  + ", ".join(f"{k} {v / GIB:.2f}" for k, v in phases.items()) + " GiB"]
@@ -382,7 +395,7 @@ class MemoryBudget:
                            + (f", logits in chunks of {plan.logits_chunk} tokens" if plan.logits_chunk < 1024 else ""))
         if at_once < c.prompts_per_step:
             changed.append(f"rollouts {at_once} prompt{'s' * (at_once > 1)} at a time (of {c.prompts_per_step})")
-        if evals < c.eval_batch_size:
+        if evals < self._eval_prompts:
             changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time (eval_batch_size {c.eval_batch_size})")
         if changed:
             lines.append("memory: to fit the budget, " + "; ".join(changed))
@@ -429,7 +442,8 @@ def available_bytes(device) -> int | None:
     return None
 
 
-def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0) -> tuple[bool, str]:
+def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
+                torch_decodes: bool = True) -> tuple[bool, str]:
     """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
     GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
     decode step there (1.2-1.8x slower sampling in `localrl bench rollout` on a quiet 2-core machine, 11.7x
@@ -438,7 +452,7 @@ def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0)
         return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
     if device.type == "cuda":
         return True, "4-bit NF4 base (QLoRA): a GPU, where it saves memory for little speed"
-    full = MemoryBudget(shape, cfg, device, False, extra)
+    full = MemoryBudget(shape, cfg, device, False, extra, torch_decodes)
     try:
         full.check(prompt_len, cfg.max_new_tokens)
     except UserError:

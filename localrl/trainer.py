@@ -158,8 +158,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     # llama.cpp's copy of the weights and its context live in this process all run
     extra = llama_bytes(shape, cfg.prompts_per_step * cfg.group_size, longest + cfg.max_new_tokens) \
         if backend == "llama.cpp" else 0
-    in_4bit, why = choose_4bit(cfg, shape, longest, device, extra)
-    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit, extra)
+    in_4bit, why = choose_4bit(cfg, shape, longest, device, extra, torch_decodes=backend == "torch")
+    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit, extra, torch_decodes=backend == "torch")
     judge_path = ""
     if cfg.objective == "experience":
         try:  # a library to start from must read
@@ -325,7 +325,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_rollout}"))
         for line in pre.budget.describe(pre.longest_prompt, pre.budget.cfg.max_new_tokens):
             log(line)
-            if line.startswith("memory: to fit"):  # what the planner changed is part of the run's record, and shown by watchers
+            if line.startswith("memory: to fit"):  # what the planner changed: in the run's record, for watchers
                 sink.emit({"kind": "note", "step": 0, "message": line})
         torch.manual_seed(cfg.seed)
         model, tok = load_policy(cfg, device, pre.in_4bit)

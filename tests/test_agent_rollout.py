@@ -162,6 +162,21 @@ def test_episodes_are_reproducible_from_the_generator_seed(policy):
     assert play(6)[0] != first[0]
 
 
+def test_episodes_decoded_a_few_tasks_at_a_time_are_the_same_greedy_episodes(policy):
+    """The memory plan's ``tasks_at_once`` splits each turn's decoding, not the episodes."""
+    model, tok = policy
+    tasks = [generate(s) for s in range(3)]
+
+    def play(at_once):
+        out = run_episodes(model, tok, lambda: ShellEnv(task_list(tasks), max_turns=2), [0, 1, 2], 2, 12,
+                           stop_token_ids(tok, model), 0.0, system="Act.", tasks_at_once=at_once)
+        return [ids[mask.bool()].tolist() for ids, mask in zip(out.rollout.completion_ids,
+                                                                out.rollout.completion_mask)], out.rewards
+
+    together = play(None)
+    assert len(together[0]) == 6 and play(1) == together == play(2)
+
+
 def test_the_loss_mask_of_real_episodes_covers_exactly_the_tokens_the_model_sampled(monkeypatch):
     """The built-in agent plays shell tasks for a few turns; every turn is recorded where it is sampled. The
     rollout's loss mask is 1 on exactly those tokens (end-of-turn tokens the model wrote included) and 0 on

@@ -58,3 +58,23 @@ def test_the_unsloth_path_trains_a_step(builtin_model, tmp_path):
                       run_dir=str(tmp_path / "run")).validate()
     result = train(cfg, log=lambda *_: None)
     assert result.steps_done == 1
+
+
+def test_a_qwen2_5_1_5b_shape_qlora_step_stays_under_8gb(tmp_path):
+    """docs/memory.md's 1.5B step on a GPU: 4-bit NF4 base, LoRA rank 16, G=8, 256 + 256 tokens, an 8 GB budget."""
+    import json
+
+    from localrl.config import TrainConfig
+    from localrl.models.shapes import write_shape
+    from localrl.trainer import train
+
+    model = write_shape("qwen2.5-1.5b", tmp_path / "qwen", log=lambda *_: None)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": " ".join(["alpha bravo charlie delta"] * 64), "answer": "7"}) + "\n")
+    cfg = TrainConfig(model=str(model), data=str(data), device="cuda", quantize="nf4", lora_rank=16, group_size=8,
+                      prompts_per_step=1, max_new_tokens=256, memory_budget="8GB", steps=1, eval_size=0,
+                      run_dir=str(tmp_path / "run")).validate()
+    records = []
+    train(cfg, listeners=[records.append], log=lambda *_: None)
+    [step] = [r for r in records if r["kind"] == "train"]
+    assert step["completion_len"] == 256 and step["peak_mem_mb"] < 8 * 1024, step

@@ -51,7 +51,7 @@ def test_plan_command_reads_config_json(tmp_path):
     assert ("bf16 (cuda)" if torch.cuda.is_available() else "fp32 (cpu) (this machine's device") in here.stdout
     proc = subprocess.run(args, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "36 layers" in proc.stdout and "predicted peak" in proc.stdout and "of a 12.00 GiB budget" in proc.stdout
+    assert "36 layers" in proc.stdout and "predicted peak" in proc.stdout and "memory: a 12.00 GiB budget (memory_budget)" in proc.stdout
     proc = subprocess.run(args[:-1] + ["1GB"], capture_output=True, text=True)
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
 
@@ -184,3 +184,25 @@ def test_a_shape_is_a_model_directory_that_trains(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "localrl.cli", "models", "shape", "smollm2-135m", "--out",
                               str(tmp_path / "mine")], capture_output=True, text=True)
     assert refused.returncode != 0 and (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+def test_the_run_plan_covers_every_phase_and_names_the_one_that_does_not_fit():
+    from localrl.config import TrainConfig
+    from localrl.memory import PLAN_MARGIN, MemoryBudget
+
+    shape, cpu = ModelShape.from_config(QWEN25_1_5B), torch.device("cpu")
+    cfg = TrainConfig(prompts_per_step=16, group_size=8, max_new_tokens=256, memory_budget="7GB",
+                      quantize="nf4").validate()
+    budget = MemoryBudget.for_run(cfg, shape, 256, cpu, True)
+    phases = budget.phases(256, 256)
+    assert set(phases) == {"load", "evaluation", "rollout", "update"}
+    assert max(phases.values()) * (1 + PLAN_MARGIN) <= 7 * GIB
+    # 128 completions' caches of 512 tokens do not fit at once: the rollouts are split, and the run says so
+    at_once = budget.rollout_prompts(16, 8, 256, 256)
+    assert 1 <= at_once < 16 and f"rollouts {at_once} prompts at a time (of 16)" in budget.describe(256, 256)[1]
+    # llama.cpp decodes in its own context (counted as held all run): torch splits nothing
+    assert MemoryBudget(shape, cfg, cpu, True, torch_decodes=False).rollout_prompts(16, 8, 256, 256) == 16
+    assert budget.nearing(6.93 * 1024).startswith("peak memory 6.93 GiB reached 99% of the 7.00 GiB budget")
+    assert budget.nearing(5 * 1024) is None
+    with pytest.raises(UserError, match="2GB cannot hold the update.s smallest plan .* needs a budget of at least"):
+        MemoryBudget.for_run(TrainConfig(memory_budget="2GB", quantize="nf4").validate(), shape, 256, cpu, True)

@@ -71,6 +71,22 @@ def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
     assert "full-precision base: a CPU" in status["message"]  # quantize=auto on a CPU
 
 
+@pytest.mark.parametrize("task", [[], ["--env", "shell", "--prompts-per-step", "4", "--group-size", "4"]],
+                         ids=["single-turn", "shell agent"])
+def test_a_step_of_the_real_model_stays_under_a_3gb_budget(real_gguf, tmp_path, task):
+    """The whole process (load, rollouts, reference and update), measured as its peak resident set."""
+    run = tmp_path / "run"
+    flags = ["--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "32", *task, "--beta", "0.04"]
+    proc = subprocess.run([sys.executable, "-m", "localrl", "train", "--model", str(real_gguf), "--steps", "1",
+                           "--eval-size", "0", "--rollout", "torch", "--memory-budget", "3GB", *flags,
+                           "--run-dir", str(run)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "memory: a 3.00 GiB budget (memory_budget)" in proc.stdout + proc.stderr
+    [record] = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert record["kl"] is not None  # the update ran (the reference pass too)
+    assert record["peak_mem_mb"] < 3 * 1024, record["peak_mem_mb"]
+
+
 def test_export_validates_and_tokenises_as_the_original_file(real_gguf, tmp_path):
     from localrl.quant.export import export
     from localrl.quant.gguf_import import read_gguf_pre
