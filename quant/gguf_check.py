@@ -102,11 +102,18 @@ def top1_counts(ours: np.ndarray, theirs: np.ndarray) -> tuple[int, int, int]:
 
 
 def _torch_greedy(model, ids: list[int], n: int) -> list[int]:
-    seq = list(ids)
+    """The reference's greedy continuation, decoded from a key/value cache as llama.cpp decodes: one token's
+    forward a step, not the whole sequence again (which made validating a real-size export take hours)."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(), []
     with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+        for i in range(n):
+            out.append(int(logits.argmax()))
+            if i < n - 1:
+                logits = model(input_ids=torch.tensor([out[-1:]]), cache=cache, use_cache=True).logits[0, -1]
+    return out
 
 
 def _llama_greedy(llm, ids: list[int], n: int) -> list[int]:
