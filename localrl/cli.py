@@ -248,16 +248,23 @@ def cmd_models(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise UserError(f"models build --steps: must be at least 1 (got {args.steps})")
         recipe = replace(recipe, steps=args.steps)
-    out = Path(args.out) if args.out else ROOT / args.name
-    if out.exists() and not out.is_dir():
-        raise UserError(f"models build --out {out}: is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "recipe.json").is_file():
-        raise UserError(f"models build --out {out}: holds files that are not a built model; it would replace "
-                        f"them (choose an empty or new directory)")
+    out = _replaceable_dir(Path(args.out) if args.out else ROOT / args.name, "models build", "recipe.json",
+                           "a built model")
     t0 = time.time()
     build(out, recipe)
     print(f"wrote {out} in {time.time() - t0:.0f}s")
     return 0
+
+
+def _replaceable_dir(out: Path, command: str, marker: str, what: str) -> Path:
+    """``out`` for a command that replaces it whole: refused if it is a file, or a directory with files but
+    without ``marker`` (the file that says the command wrote it)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{command} --out {out}: is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise UserError(f"{command} --out {out}: holds files that are not {what}; it would replace "
+                        f"them (choose an empty or new directory)")
+    return out
 
 
 def _models_shape(args: argparse.Namespace) -> int:
@@ -268,12 +275,7 @@ def _models_shape(args: argparse.Namespace) -> int:
     find_shape(args.name)
     if not args.out:
         raise UserError("models shape: --out DIR is required (where the model directory is written)")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"models shape --out {out}: is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "shape.json").is_file():
-        raise UserError(f"models shape --out {out}: holds files that are not a shape model; it would replace "
-                        f"them (choose an empty or new directory)")
+    out = _replaceable_dir(Path(args.out), "models shape", "shape.json", "a shape model")
     t0 = time.time()
     write_shape(args.name, out, args.tokenizer, args.seed or 0)
     print(f"wrote {out} in {time.time() - t0:.0f}s")

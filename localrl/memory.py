@@ -234,16 +234,12 @@ def decode_bytes(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
     return int(cache + growing + max(prefill, 3 * rows * shape.vocab * 4))
 
 
-def rollout_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_len: int, dtype_bytes: int) -> int:
-    """Sampling's peak when all ``rows`` decode at once (one prompt each: its cache is not shared)."""
-    return decode_bytes(shape, rows, 1, prompt_len, completion_len, dtype_bytes)
-
-
 def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
     """llama.cpp's share of a process that samples with it (llama_rollout.py): the weights written as f16,
     a context of ``tokens`` f16 key/value cells for each of ``rows`` sequences, and float32 logits of a
     512-token batch."""
-    weights = 2 * (shape.linear_params_per_layer * shape.layers + shape.vocab * shape.hidden * (1 if shape.tied else 2))
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    weights = 2 * (shape.linear_params_per_layer * shape.layers + embeddings)
     cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * rows * tokens
     return int(weights + cache + 512 * shape.vocab * 4)
 
@@ -269,7 +265,7 @@ class MemoryBudget:
     """
 
     def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0, torch_decodes: bool = True):
-        self.shape, self.cfg, self.in_4bit, self.extra = shape, cfg, in_4bit, extra
+        self.shape, self.cfg, self.in_4bit = shape, cfg, in_4bit
         self.torch_decodes = torch_decodes  # False: llama.cpp samples and evaluates (its memory is in ``extra``)
         self.dtype_bytes = _dtype_bytes(device)
         if cfg.memory_budget:
@@ -337,8 +333,8 @@ class MemoryBudget:
             named = self.cfg.memory_budget or f"a {self.bytes / GIB:.2f} GiB budget ({self.source})"
             raise UserError(f"config field memory_budget: {named} cannot hold {what} with prompts of up to "
                             f"{prompt_len} tokens and {completion_len} new tokens: that needs a budget of at least "
-                            f"{need * (1 + PLAN_MARGIN) / GIB:.2f} GiB (or lower group_size, prompts_per_step or max_new_tokens)",
-                            field="memory_budget")
+                            f"{need * (1 + PLAN_MARGIN) / GIB:.2f} GiB (or lower group_size, prompts_per_step or "
+                            f"max_new_tokens)", field="memory_budget")
 
     def plan(self, prompt_len: int, completion_len: int) -> Plan:
         """The update's plan for a batch's real lengths: as configured (``micro_batch_size``, no checkpointing)
@@ -351,7 +347,7 @@ class MemoryBudget:
             parts = predict_peak(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, mb,
                                  CHUNK_CHOICES[0], False, c.lora_rank, self.in_4bit, self.dtype_bytes)
             peak = sum(parts.values())
-            if room is None or peak <= room:  # (micro_batch_size 0 stays 0: every row at once, whatever their count)
+            if room is None or peak <= room:  # (micro_batch_size 0 stays 0: every row at once, whatever the count)
                 return Plan(c.micro_batch_size and mb, CHUNK_CHOICES[0], False, peak, parts, room, True)
         return plan_step(self.shape, c.prompts_per_step, c.group_size, prompt_len, completion_len, room,
                          c.lora_rank, self.in_4bit, self.dtype_bytes)
@@ -364,15 +360,22 @@ class MemoryBudget:
             n = (n + 1) // 2
         return n
 
-    def phases(self, prompt_len: int, completion_len: int) -> dict[str, int]:
-        """Each phase's predicted peak (bytes of the whole process) as planned."""
+    def _planned(self, prompt_len: int, completion_len: int) -> tuple[Plan, int, int]:
+        """(the update's plan, prompts sampled at once, held-out prompts decoded at once)."""
         c = self.cfg
-        at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
-        evals = self.rollout_prompts(self._eval_prompts, 1, prompt_len, completion_len)
+        return (self.plan(prompt_len, completion_len),
+                self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len),
+                self.rollout_prompts(self._eval_prompts, 1, prompt_len, completion_len))
+
+    def phases(self, prompt_len: int, completion_len: int, planned: tuple[Plan, int, int] | None = None
+               ) -> dict[str, int]:
+        """Each phase's predicted peak (bytes of the whole process) as planned (``planned``: _planned's)."""
+        c = self.cfg
+        plan, at_once, evals = planned or self._planned(prompt_len, completion_len)
         return {"load": self.base + load_bytes(self.shape, c.lora_rank, self.in_4bit, self.dtype_bytes),
                 **({"evaluation": self._decode(evals, 1, prompt_len, completion_len)} if evals else {}),
                 "rollout": self._decode(at_once, c.group_size, prompt_len, completion_len),
-                "update": self.base + self.plan(prompt_len, completion_len).peak_bytes}
+                "update": self.base + plan.peak_bytes}
 
     def describe(self, prompt_len: int, completion_len: int) -> list[str]:
         """The run's first lines about memory: the budget with each phase's predicted peak, then (only when
@@ -381,22 +384,22 @@ class MemoryBudget:
         if not self.limited:
             return []
         c = self.cfg
-        plan = self.plan(prompt_len, completion_len)
-        at_once = self.rollout_prompts(c.prompts_per_step, c.group_size, prompt_len, completion_len)
-        evals = self.rollout_prompts(self._eval_prompts, 1, prompt_len, completion_len)
-        phases = self.phases(prompt_len, completion_len)
+        planned = plan, at_once, evals = self._planned(prompt_len, completion_len)
+        phases = self.phases(prompt_len, completion_len, planned)
         lines = [f"memory: a {self.bytes / GIB:.2f} GiB budget ({self.source}); predicted peaks: "
                  + ", ".join(f"{k} {v / GIB:.2f}" for k, v in phases.items()) + " GiB"]
         changed = []
         rows = c.prompts_per_step * c.group_size
         if (plan.micro_batch or rows) < min(c.micro_batch_size or rows, rows) or plan.checkpointing:
-            changed.append(f"the update in micro-batches of {plan.micro_batch} completion{'s' * (plan.micro_batch > 1)}"
+            changed.append(f"the update in micro-batches of {plan.micro_batch} "
+                           f"completion{'s' * (plan.micro_batch > 1)}"
                            + (", activation checkpointing on" if plan.checkpointing else "")
                            + (f", logits in chunks of {plan.logits_chunk} tokens" if plan.logits_chunk < 1024 else ""))
         if at_once < c.prompts_per_step:
             changed.append(f"rollouts {at_once} prompt{'s' * (at_once > 1)} at a time (of {c.prompts_per_step})")
         if evals < self._eval_prompts:
-            changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time (eval_batch_size {c.eval_batch_size})")
+            changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time "
+                           f"(eval_batch_size {c.eval_batch_size})")
         if changed:
             lines.append("memory: to fit the budget, " + "; ".join(changed))
         return lines if changed or c.memory_budget else []  # the free memory holds the run as configured: quiet
