@@ -8,8 +8,9 @@ model, and measures each one's peak memory.
 same model, with prompts built to an exact token count (``exact_length_prompts``) and
 completions of exactly R tokens; both counts are checked on what each trainer saw.
 
-``localrl bench export`` exports the built-in model to each quant type and validates every
-file in llama.cpp.
+``localrl bench export`` exports a model (the built-in one by default) to each quant type as
+``localrl export`` does, and prints each phase's time (load, write, f16 validation, llama.cpp's
+quantisation, validation) beside the llama.cpp validation figures.
 
 Every benchmark takes its sizes as parameters (the CLI's ``--prompt-len``, ``--quant``, ...;
 ``--model-size tiny`` swaps in ``TINY_SHAPE``), so each can be smoke-tested in seconds.
@@ -379,35 +380,40 @@ def export_quants(quants: list[str] | None = None) -> list[str]:
     return list(quants)
 
 
+EXPORT_PHASES = ("load", "write", "validate f16", "quantise", "validate")
+
+
 def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, log=print) -> list[dict]:
-    """Export ``source`` to each of ``quants`` (default: every quant type); time, file size and the
-    llama.cpp validation figures of each."""
+    """Export ``source`` to each of ``quants`` (default: every quant type) as ``localrl export`` does, validation
+    included; each phase's time, the file size and the llama.cpp validation figures of each."""
     import tempfile
 
     from localrl.quant.export import export
-    from localrl.quant.gguf_check import check_gguf
-    from localrl.runs import load_merged
 
     quants = export_quants(quants)
-    model, tok, _, _ = load_merged(source)  # the torch reference every file is compared with
     rows = []
-    log(f"{'type':<7} {'export s':>8} {'MiB':>6} | {'tokens':>6} {'top-1':>6} {'KL':>8} {'max|dlogit|':>11} "
-        f"{'of range':>8} {'greedy':>6} | result")
+    log(f"{'type':<7} {'load s':>6} {'write s':>7} {'f16 check s':>11} {'quantise s':>10} {'check s':>7} "
+        f"{'total s':>7} {'MiB':>7} | {'tokens':>6} {'top-1':>6} {'decisive':>8} {'KL':>8} {'median':>7} "
+        f"{'worst':>7} {'greedy':>6} | result")
     with tempfile.TemporaryDirectory() as tmp:
         for quant in quants:
             out = Path(tmp) / f"{quant}.gguf"
-            t0 = time.perf_counter()
-            result = export(source, out, quant, check=False, log=lambda *_: None)
-            seconds = time.perf_counter() - t0
-            r = check_gguf(result.path, model, tok, quant)
-            row = {"quant": quant, "export_s": seconds, "bytes": out.stat().st_size, "tokens_identical":
-                   r.tokens_identical, "top1": r.top1_agreement, "max_abs_logit_diff": r.max_abs_logit_diff,
-                   "rel_logit_error": r.rel_logit_error, "greedy_identical": r.greedy_identical, "kl_mean": r.kl_mean,
-                   "passed": r.passed}
+            result = export(source, out, quant, log=lambda *_: None)
+            r = result.report
+            row = {"quant": quant, "seconds": {p: result.seconds.get(p, 0.0) for p in EXPORT_PHASES},
+                   "export_s": sum(result.seconds.values()), "bytes": out.stat().st_size if result.path else None,
+                   "tokens_identical": r.tokens_identical, "top1": r.top1_agreement,
+                   "decisive_top1": r.decisive_agreement, "decisive_positions": r.decisive_positions,
+                   "kl_mean": r.kl_mean, "max_abs_logit_diff": r.max_abs_logit_diff,
+                   "median_rel_logit_error": r.median_rel_logit_error, "rel_logit_error": r.rel_logit_error,
+                   "greedy_identical": r.greedy_identical, "passed": r.passed}
             rows.append(row)
-            log(f"{quant:<7} {seconds:>8.2f} {row['bytes'] / 2**20:>6.2f} | "
-                f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} {r.kl_mean:>8.5f} "
-                f"{r.max_abs_logit_diff:>11.4f} {r.rel_logit_error:>8.2%} "
+            t = row["seconds"]
+            size = f"{row['bytes'] / 2**20:>7.1f}" if row["bytes"] else f"{'-':>7}"
+            log(f"{quant:<7} {t['load']:>6.1f} {t['write']:>7.1f} {t['validate f16']:>11.1f} {t['quantise']:>10.1f} "
+                f"{t['validate']:>7.1f} {row['export_s']:>7.1f} {size} | "
+                f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} {r.decisive_agreement:>8.1%} "
+                f"{r.kl_mean:>8.5f} {r.median_rel_logit_error:>7.2%} {r.rel_logit_error:>7.2%} "
                 f"{'same' if r.greedy_identical else 'diff':>6} | {'pass' if r.passed else 'FAIL'}")
     return rows
 

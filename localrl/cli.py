@@ -297,8 +297,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quants = export_quants(quants)  # unknown names fail here, before anything runs
         which = "every quant type" if args.quant is None else ", ".join(quants)
         source = args.model or "tiny-arith"
-        print(f"export benchmark: {source} to {which}, validated in llama.cpp "
-              "(export time includes loading the model)")
+        print(f"export benchmark: {source} to {which}, as localrl export does it (validated in llama.cpp); "
+              "seconds per phase; top-1 at all distinct and at decisive positions; logit difference as a "
+              "share of the logit range at the median and the worst position")
         rows = bench_export(source, quants=quants)
         if args.json:
             print(json.dumps(rows))

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.errors import UserError, out_of_space
@@ -36,6 +36,7 @@ class ExportResult:
     source: str  # which weights were written, in words
     report: CheckReport | None
     modelfile: Path | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # each phase's wall time, in the order they ran
 
 
 DIRECT_TYPES = ("f32", "f16", "bf16")  # written by gguf-py; the rest by llama.cpp's quantizer
@@ -96,6 +97,26 @@ def pre_tokenizer(config, tok, tok_dir: Path, log=print) -> str | None:
     return name
 
 
+class Phases:
+    """Wall time of each phase of an export, and a log line as each starts (an export takes seconds to minutes)."""
+
+    def __init__(self, log=print):
+        self.log, self.t0, self.seconds = log, time.monotonic(), {}
+        self.current, self.since = None, self.t0
+
+    def start(self, phase: str | None, text: str | None = None) -> None:
+        now = time.monotonic()
+        if self.current is not None:
+            self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.since
+        self.current, self.since = phase, now
+        if text:
+            self.log(f"[{now - self.t0:4.0f} s] {text}")
+
+    def stop(self) -> dict[str, float]:
+        self.start(None)
+        return self.seconds
+
+
 def remove_leftovers(out: Path) -> None:
     """Delete the temporary files of earlier exports to ``out`` that were killed midway."""
     names = (out.name, modelfile_path(out).name)
@@ -111,14 +132,15 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     if check or quant in LLAMA_CPP_TYPES:  # before any weights load
         require_llama_cpp("validating a GGUF (--no-check skips it)" if check else f"export to {quant}")
     remove_leftovers(out)
-    t0 = time.monotonic()
+    phases = Phases(log)
 
-    def stage(text: str) -> None:  # export takes from seconds to minutes: each stage says when it starts
-        log(f"[{time.monotonic() - t0:4.0f} s] {text}")
+    def result(path, report, modelfile=None) -> ExportResult:
+        return ExportResult(path, what, report, modelfile, phases.stop())
 
-    stage(f"loading {source}" + (" and merging its adapter" if is_run(source) else ""))
+    phases.start("load", f"loading {source}" + (" and merging its adapter" if is_run(source) else ""))
     model, tok, tok_dir, what = load_merged(source, check=check_exportable)
     log(f"exporting {what}")
+    phases.start("write")  # choosing the pre-tokenizer writes vocabulary-only files
     pre = pre_tokenizer(model.config, tok, tok_dir, log)
     params = sum(p.numel() for p in model.parameters())
     tmp = out.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{out.name}")
@@ -127,28 +149,29 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
         if quant in LLAMA_CPP_TYPES:  # llama.cpp's quantizer, from an f16 file written (and checked) first
             f16 = out.with_name(f".tmp-f16-{uuid.uuid4().hex[:8]}-{out.name}")
             try:
-                stage(f"writing an f16 GGUF ({params / 1e6:.1f}M parameters)")
+                phases.start("write", f"writing an f16 GGUF ({params / 1e6:.1f}M parameters)")
                 write_gguf(model.state_dict(), model.config, tok_dir, tok, f16, "f16", pre)
                 if check:  # the writer's own errors show at f16, before quantisation blurs them
-                    stage("validating the f16 file in llama.cpp (tokenizer and logits against torch)")
+                    phases.start("validate f16", "validating the f16 file in llama.cpp (tokenizer and logits "
+                                                 "against torch)")
                     f16_report = check_gguf(f16, model, tok, "f16")
                     if not f16_report.passed:
-                        log(f"not written: the f16 file {quant} is quantised from failed validation "
+                        log(f"not written: the f16 file that {quant} is quantised from failed validation "
                             f"in llama.cpp")
-                        return ExportResult(None, what, f16_report)
-                stage(f"quantising to {quant} (llama.cpp)")
+                        return result(None, f16_report)
+                phases.start("quantise", f"quantising to {quant} (llama.cpp)")
                 llama_cpp_quantize(f16, tmp, quant)
             finally:
                 f16.unlink(missing_ok=True)
         else:
-            stage(f"writing a {quant} GGUF ({params / 1e6:.1f}M parameters)")
+            phases.start("write", f"writing a {quant} GGUF ({params / 1e6:.1f}M parameters)")
             write_gguf(model.state_dict(), model.config, tok_dir, tok, tmp, quant, pre)
         if check:
-            stage(f"validating the {quant} file in llama.cpp (tokenizer and logits against torch)")
+            phases.start("validate", f"validating the {quant} file in llama.cpp (tokenizer and logits against torch)")
         report = check_gguf(tmp, model, tok, quant) if check else None
         if report is not None and not report.passed:
             log(f"not written: {out} failed validation in llama.cpp (--no-check writes it anyway)")
-            return ExportResult(None, what, report)
+            return result(None, report)
         modelfile = write_modelfile(out, tok, model.config.max_position_embeddings)  # first: a GGUF in place
         tmp.replace(out)                                                              # always has its Modelfile
     except Exception as e:  # noqa: BLE001 - a full disk is one line; anything else keeps its traceback
@@ -162,4 +185,4 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
         + (", validated in llama.cpp)" if check else ", not validated)"))
     log(f"wrote {modelfile} (ollama create NAME -f {modelfile})" if modelfile else
         "no Ollama Modelfile: the chat template is neither ChatML nor Llama 3")
-    return ExportResult(out, what, report, modelfile)
+    return result(out, report, modelfile)

@@ -101,6 +101,28 @@ def test_export_validates_and_tokenises_as_the_original_file(real_gguf, tmp_path
     assert 'SYSTEM """You are a helpful AI assistant named SmolLM' in modelfile  # the model's default system turn
 
 
+def test_a_fine_tuned_real_model_exports_to_q8_0_and_passes_validation(real_gguf, tmp_path):
+    """Two GRPO steps (seed 2: a run whose merged q8_0 file the gate used to fail on one token that led by 0.88
+    logits, counted once per sample prompt), the adapter merged onto the f32 base and exported."""
+    from safetensors.torch import load_file
+
+    from localrl.quant.export import export
+    from localrl.runs import Run
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "localrl", "train", "--model", str(real_gguf), "--steps", "2",
+                           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48", "--eval-size",
+                           "0", "--seed", "2", "--run-dir", str(run)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = load_file(str(Run(run).latest_checkpoint() / "adapter_model.safetensors"))
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # a model unlike the base
+    lines = []
+    result = export(run, tmp_path / "tuned.gguf", "q8_0", log=lines.append)
+    assert result.path is not None and result.report.passed, "\n".join(map(str, lines))
+    assert result.report.decisive_positions >= 20 and not result.report.notes  # judged on decisive positions
+    assert "merged onto the full-precision (float32) base" in "\n".join(map(str, lines))
+
+
 def test_localrl_serve_answers_with_the_real_model(real_gguf):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
