@@ -63,11 +63,12 @@ class PeakMemory:
     CUDA: the caching allocator's ``max_memory_allocated``. CPU: the allocation and free
     events torch's profiler records (``profile_memory=True``), replayed in time order.
     With ``rss=True`` on the CPU it measures the resident-set high-water mark instead, which
-    adds what glibc's heap keeps of freed memory (and no profiler runs).
+    adds what glibc's heap keeps of freed memory (and no profiler runs). ``high`` is the whole
+    process's peak inside it (CUDA, or the CPU with ``rss``): what a memory budget promises.
     """
 
     def __init__(self, device: torch.device, rss: bool = False):
-        self.device, self.rss, self.peak = device, rss and device.type == "cpu", 0
+        self.device, self.rss, self.peak, self.high = device, rss and device.type == "cpu", 0, None
 
     def __enter__(self):
         gc.collect()
@@ -93,9 +94,11 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self._base
+            self.high = torch.cuda.max_memory_allocated()
+            self.peak = self.high - self._base
         elif self.rss:
-            self.peak = _rss_kib("VmHWM") * 1024 - self._base
+            self.high = _rss_kib("VmHWM") * 1024
+            self.peak = self.high - self._base
         else:
             self._prof.__exit__(*exc)
             events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()

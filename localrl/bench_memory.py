@@ -1,13 +1,14 @@
 """`localrl bench memory`: every phase of a real GRPO step, predicted by the planner and measured.
 
 For each case (a model, its base precision, a budget) a fresh child process plans the run
-with ``MemoryBudget`` (as the trainer does) and then runs its phases in the trainer's order:
-load (the policy and its optimizer), a greedy held-out evaluation batch, the rollout (as many
-prompts at a time as the plan says, each with its G completions), and the update (reference
-and policy passes, the planned micro-batches). Before each phase the process's peak is
-reset (``/proc/self/clear_refs`` on the CPU, ``reset_peak_memory_stats`` on a GPU), so each
-measured peak is of the whole process during that phase: resident memory on the CPU,
-``torch.cuda.max_memory_allocated`` on a GPU, the quantities the budget promises.
+with ``MemoryBudget`` (as the trainer does) and then runs its phases in the trainer's order: a
+GGUF file's one-time conversion (into an empty cache), load (the policy and its optimizer), a
+greedy held-out evaluation batch, the rollout (as many prompts at a time as the plan says, each
+with its G completions), and the update (reference and policy passes, the planned micro-batches).
+Before each phase the process's peak is reset (``bench.PeakMemory``: ``/proc/self/clear_refs`` on
+the CPU, ``reset_peak_memory_stats`` on a GPU), so each measured peak is of the whole process
+during that phase: resident memory on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU, the
+quantities the budget promises.
 
 Models are random-weight models of published shapes (``localrl models shape``), written once
 to a cache directory, or any model directory. Random weights rarely sample a stop token, so
@@ -17,15 +18,12 @@ checks that they did (a completion that stopped early would make a measurement t
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from localrl.errors import UserError
-
-PHASES = ("load", "evaluation", "rollout", "update")
 
 
 @dataclass(frozen=True)
@@ -87,52 +85,45 @@ def bench_memory(cases=DEFAULT_CASES, cache: Path | None = None, device: str = "
 
 
 def _measure(path: str, case: MemoryCase, device_name: str, queue) -> None:
+    import os
+    import tempfile
+
     try:
-        queue.put(_phases(path, case, device_name))
+        with tempfile.TemporaryDirectory() as cache:  # a GGUF is converted afresh here, into this cache, measured
+            os.environ["XDG_CACHE_HOME"] = cache
+            queue.put(_phases(path, case, device_name))
     except UserError as e:
         queue.put(str(e))
-
-
-def _reset_peak(device) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the current resident set
-
-
-def _peak(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    from localrl.bench import _rss_kib
-
-    return _rss_kib("VmHWM") * 1024
 
 
 def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     import torch
 
+    from localrl.bench import PeakMemory
     from localrl.config import TrainConfig
     from localrl.grpo import update
     from localrl.heap import return_freed_memory
-    from localrl.memory import GIB, MemoryBudget, ModelShape, choose_4bit
-    from localrl.modeling import load_config, load_policy
-    from localrl.rollout import concat_rollouts, group_generators, sample_groups
+    from localrl.memory import GIB, MemoryBudget, ModelShape, choose_4bit, conversion_bytes, read_shape
+    from localrl.modeling import load_config, load_policy, resolve_model
+    from localrl.quant.gguf_import import gguf_path, is_gguf_source
+    from localrl.rollout import group_generators, sample_groups, sample_in_chunks
 
     return_freed_memory()
     device = torch.device(device_name)
+    measured, seconds = {}, {}
+
+    def phase(name, fn):  # the whole process's peak during the phase (PeakMemory resets it on entry)
+        with PeakMemory(device, rss=True) as mem:
+            t0 = time.perf_counter()
+            out = fn()
+            seconds[name] = time.perf_counter() - t0
+        measured[name] = mem.high
+        return out
+
+    converting = is_gguf_source(path)
+    if converting:  # the one-time conversion, before anything else (its own phase of a first run)
+        converted = conversion_bytes(read_shape(path), gguf_path(path).stat().st_size)
+        phase("conversion", lambda: resolve_model(path, log=lambda *_: None))
     cfg = TrainConfig(model=path, prompts_per_step=case.prompts, group_size=case.group,
                       max_new_tokens=case.completion_len, quantize=case.quantize, memory_budget=case.budget,
                       eval_batch_size=case.eval_batch, beta=0.04, device=device_name).validate()
@@ -144,14 +135,8 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     at_once = budget.rollout_prompts(case.prompts, case.group, case.prompt_len, case.completion_len)
     evals = budget.rollout_prompts(case.eval_batch, 1, case.prompt_len, case.completion_len)
     plan = budget.plan(case.prompt_len, case.completion_len)
-    measured, seconds = {}, {}
-
-    def phase(name, fn):
-        _reset_peak(device)
-        t0 = time.perf_counter()
-        out = fn()
-        seconds[name], measured[name] = time.perf_counter() - t0, _peak(device)
-        return out
+    if converting:
+        predicted = {"conversion": converted, **predicted}
 
     def load():
         torch.manual_seed(0)
@@ -173,13 +158,9 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     phase("evaluation", lambda: sample_groups(model, prompts[:evals], 1, case.completion_len, stops,
                                               tok.pad_token_id or 0, 0.0))
 
-    def rollout():
-        gens = group_generators(1, range(case.prompts), device)
-        return concat_rollouts([sample_groups(model, prompts[i:i + at_once], case.group, case.completion_len, stops,
-                                              tok.pad_token_id or 0, 1.0, gens[i:i + at_once])
-                                for i in range(0, case.prompts, at_once)], tok.pad_token_id or 0)
-
-    sampled = phase("rollout", rollout)
+    sampled = phase("rollout", lambda: sample_in_chunks(
+        model, prompts[:case.prompts], case.group, case.completion_len, stops, tok.pad_token_id or 0, 1.0,
+        group_generators(1, range(case.prompts), device), at_once))
     lengths = sampled.completion_mask.sum(1)
     if int(lengths.min()) < case.completion_len:
         raise UserError(f"a completion stopped after {int(lengths.min())} of {case.completion_len} tokens: the "
@@ -187,7 +168,7 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     rewards = torch.randn(case.prompts * case.group, generator=g).double()  # every group's rewards differ
     phase("update", lambda: update(model, optimizer, sampled, rewards, cfg, 0, budget))
     rows = []
-    for name in PHASES:
+    for name in measured:
         rows.append({"phase": name, "predicted_gib": predicted[name] / GIB, "measured_gib": measured[name] / GIB,
                      "ratio": measured[name] / predicted[name],
                      "under_budget": budget.bytes is None or measured[name] <= budget.bytes,

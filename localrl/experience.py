@@ -225,13 +225,14 @@ def question_text(prompt) -> str:
 class Judge:
     """A model that answers judge requests greedily, batched (``experience_judge``, or the policy itself)."""
 
-    def __init__(self, model, tok, max_new_tokens: int, context: int | None):
+    def __init__(self, model, tok, max_new_tokens: int, context: int | None, at_once: int | None = None):
         self.model, self.tok, self.max_new_tokens, self.context = model, tok, max_new_tokens, context
+        self.at_once = at_once  # requests decoded at a time (None: all), as the memory budget holds
 
     def __call__(self, requests: list[list[dict]], start: str = "") -> list[str | None]:
         """Each request's reply, begun with ``start`` (written for the judge, then continued by it); None for
         one that does not fit the judge's context with its reply."""
-        from localrl.rollout import decode_completions, encode_prompts, sample_groups, stop_token_ids
+        from localrl.rollout import decode_completions, encode_prompts, sample_in_chunks, stop_token_ids
 
         begun = self.tok(start, add_special_tokens=False)["input_ids"] if start else []
         prompts = [p + begun for p in encode_prompts(self.tok, [{"prompt": r} for r in requests])]
@@ -241,11 +242,26 @@ class Judge:
         if kept:
             was_training = self.model.training
             self.model.eval()
-            rollout = sample_groups(self.model, kept, 1, self.max_new_tokens, stop_token_ids(self.tok, self.model),
-                                    self.tok.pad_token_id, temperature=0.0)
+            rollout = sample_in_chunks(self.model, kept, 1, self.max_new_tokens, stop_token_ids(self.tok, self.model),
+                                       self.tok.pad_token_id, 0.0, None, self.at_once or len(kept))
             self.model.train(was_training)
             replies = iter(decode_completions(self.tok, rollout))
         return [start + next(replies) if ok else None for ok in fits]
+
+
+def judge_load(cfg, tok, context: int | None, shape, weights: int, longest_prompt: int):
+    """The judge's share of a run's memory (``memory.JudgeLoad``): ``weights`` held all run (0: the policy judges
+    itself), and each step up to one request a prompt, each at most the request's template, the longest
+    prompt, two attempts and a full library (a lesson's characters counted as tokens), within the judge's
+    context."""
+    from localrl.memory import JudgeLoad
+    from localrl.rollout import encode_prompts
+
+    template = len(encode_prompts(tok, [{"prompt": judge_request("", "", "", "", ExperienceLibrary())}])[0])
+    longest = template + longest_prompt + 2 * cfg.max_new_tokens + cfg.experience_size * MAX_LESSON_CHARS
+    if context:
+        longest = min(longest, context - cfg.experience_judge_tokens)
+    return JudgeLoad(shape, weights, cfg.prompts_per_step, longest, cfg.experience_judge_tokens)
 
 
 def check_judge_fits(tok, context: int | None, max_new_tokens: int, reply_tokens: int, where: str) -> None:

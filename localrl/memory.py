@@ -203,6 +203,8 @@ FREE_MARGIN = 0.10  # without memory_budget, the budget is the memory free at st
 # from 6% under to 23% over the predictions on the CPU, the most where the C heap keeps freed small
 # activations (micro-batches of a few completions; heap.py) (docs/memory.md)
 PLAN_MARGIN = 0.25
+# transformers' GGUF reading, per byte of float32 weights, besides the file it maps (docs/memory.md)
+CONVERSION_FACTOR = 1.2
 
 
 def runtime_bytes(device) -> int:
@@ -215,11 +217,42 @@ def static_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: 
     return parts["weights"] + parts["optimizer"]
 
 
+def frozen_bytes(shape: ModelShape, in_4bit: bool, device) -> int:
+    """A frozen model's weights (no adapter, no optimizer), as it loads on ``device``."""
+    return static_bytes(shape, 0, in_4bit, _dtype_bytes(device))
+
+
 def load_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: int) -> int:
     """Loading: the model as it will train, plus one full-precision layer and the embedding being converted
     (quantising or casting goes tensor by tensor)."""
     layer = shape.linear_params_per_layer * dtype_bytes
     return static_bytes(shape, lora_rank, in_4bit, dtype_bytes) + layer + shape.vocab * shape.hidden * dtype_bytes
+
+
+def conversion_bytes(shape: ModelShape, file_bytes: int) -> int:
+    """Converting a GGUF file of ``file_bytes`` to a model directory (quant/gguf_import.py, once per file,
+    before the run plans anything else): the libraries, the file (memory-mapped, so resident as it is read),
+    and transformers' dequantised float32 tensors beside the model it fills (CONVERSION_FACTOR times the
+    float32 weights)."""
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    weights = 4 * (shape.linear_params_per_layer * shape.layers + embeddings)
+    return RUNTIME_BYTES + file_bytes + int(CONVERSION_FACTOR * weights)
+
+
+def check_conversion(cfg, model: str, device) -> None:
+    """Refuse, before converting, a GGUF source whose one-time conversion the run's budget cannot hold."""
+    from localrl.quant.gguf_import import converted_dir, gguf_path, is_gguf_source
+
+    if not is_gguf_source(model) or converted_dir(model) is not None:
+        return
+    shape = read_shape(model)
+    budget = MemoryBudget(shape, cfg, device, False)
+    need = int(conversion_bytes(shape, gguf_path(model).stat().st_size) * (1 + PLAN_MARGIN))
+    if budget.limited and need > budget.bytes:
+        named = cfg.memory_budget or f"a {budget.bytes / GIB:.2f} GiB budget ({budget.source})"
+        raise UserError(f"config field memory_budget: {named} cannot hold converting {model} to a model directory "
+                        f"(once, before training; transformers dequantises every tensor): that needs a budget of "
+                        f"at least {need / GIB:.2f} GiB", field="memory_budget")
 
 
 def decode_bytes(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
@@ -244,6 +277,19 @@ def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
     return int(weights + cache + 512 * shape.vocab * 4)
 
 
+@dataclass(frozen=True)
+class JudgeLoad:
+    """What training-free GRPO's judge adds to a run (objective experience): its weights, held all run (0 when
+    the policy judges itself), and each step its greedy replies to up to ``requests`` requests of up to
+    ``request_len`` tokens."""
+
+    shape: ModelShape
+    weights: int
+    requests: int
+    request_len: int
+    reply_len: int
+
+
 class MemoryBudget:
     """A run's memory budget and the plan of every phase under it.
 
@@ -256,16 +302,19 @@ class MemoryBudget:
         rollout     the key/value caches of the prompts sampled at once, each with its G completions
         update      the planned micro-batches (plan_step)
         evaluation  the caches of the held-out prompts decoded at once (greedy, one completion each)
+        judging     (objective experience) the judge's caches for the requests it answers at once
 
     The reference's log-probabilities (the adapter off) and the old policy's run without gradients through
     the update's micro-batches, so they never need more than the update; a checkpoint is the adapter's
     weights and optimizer state, already counted. What does not fit as configured is planned smaller:
     rollouts and evaluation in fewer prompts at a time, the update in smaller micro-batches, then with
     activation checkpointing; where nothing fits, the run stops before the model loads, naming the phase.
+    A GGUF file's one-time conversion is checked before it starts (``check_conversion``).
     """
 
-    def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0, torch_decodes: bool = True):
-        self.shape, self.cfg, self.in_4bit = shape, cfg, in_4bit
+    def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0, torch_decodes: bool = True,
+                 judge: JudgeLoad | None = None):
+        self.shape, self.cfg, self.in_4bit, self.judge = shape, cfg, in_4bit, judge
         self.torch_decodes = torch_decodes  # False: llama.cpp samples and evaluates (its memory is in ``extra``)
         self.dtype_bytes = _dtype_bytes(device)
         if cfg.memory_budget:
@@ -276,15 +325,15 @@ class MemoryBudget:
             self.source = "" if free is None else (f"{free / GIB:.2f} GiB free at start less {FREE_MARGIN:.0%}, "
                                                      f"as memory_budget is empty")
         self.longest_prompt = 0  # tokens (for_run sets it): what the run's phases are planned for
-        self.base = runtime_bytes(device) + extra  # held all run, whatever the model
+        self.base = runtime_bytes(device) + extra + (judge.weights if judge else 0)  # held all run
         self.held = self.base + static_bytes(shape, cfg.lora_rank, in_4bit, self.dtype_bytes)  # once it has loaded
         self._checkpointing = False
 
     @classmethod
     def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool,
-                extra: int = 0, torch_decodes: bool = True) -> "MemoryBudget":
+                extra: int = 0, torch_decodes: bool = True, judge: JudgeLoad | None = None) -> "MemoryBudget":
         """The budget, checked phase by phase against the longest prompt, before any weights load."""
-        budget = cls(shape, cfg, device, in_4bit, extra, torch_decodes)
+        budget = cls(shape, cfg, device, in_4bit, extra, torch_decodes, judge)
         budget.longest_prompt = longest_prompt
         budget.check(longest_prompt, cfg.max_new_tokens)
         return budget
@@ -309,6 +358,18 @@ class MemoryBudget:
             return self.held
         return self.held + decode_bytes(self.shape, prompts, group, prompt_len, completion_len, self.dtype_bytes)
 
+    def _judging(self, requests: int) -> int:
+        """The judge's decoding peak (the process's) with ``requests`` requests at once (always torch's)."""
+        j = self.judge
+        return self.held + decode_bytes(j.shape, requests, 1, j.request_len, j.reply_len, self.dtype_bytes)
+
+    def judge_requests(self) -> int:
+        """How many of a step's judge requests to decode at once: all, or the most whose caches fit."""
+        n = self.judge.requests
+        while n > 1 and self.limited and self._judging(n) > self.usable:
+            n = (n + 1) // 2
+        return n
+
     def _needs(self, prompt_len: int, completion_len: int) -> dict[str, int]:
         """Each phase's smallest predicted peak (its smallest plan)."""
         c, s, b = self.cfg, self.shape, self.dtype_bytes
@@ -317,24 +378,33 @@ class MemoryBudget:
         return {"load": self.base + load_bytes(s, c.lora_rank, self.in_4bit, b),
                 "rollout": self._decode(1, c.group_size, prompt_len, completion_len),
                 "update": self.base + smallest.peak_bytes,
-                **({"evaluation": self._decode(1, 1, prompt_len, completion_len)} if self._eval_prompts else {})}
+                **({"evaluation": self._decode(1, 1, prompt_len, completion_len)} if self._eval_prompts else {}),
+                **({"judging": self._judging(1)} if self.judge else {})}
+
+    def least_budget(self, prompt_len: int, completion_len: int) -> tuple[str, int]:
+        """The phase that needs most at its smallest plan, and the least budget (bytes, margin included)
+        that holds it."""
+        phase, need = max(self._needs(prompt_len, completion_len).items(), key=lambda kv: kv[1])
+        return phase, int(need * (1 + PLAN_MARGIN))
+
+    def fits(self, prompt_len: int, completion_len: int) -> bool:
+        """Whether the run's smallest plan fits the budget (always, without one)."""
+        return not self.limited or self.least_budget(prompt_len, completion_len)[1] <= self.bytes
 
     def check(self, prompt_len: int, completion_len: int) -> None:
         """Refuse, naming the phase and the smallest budget that would do, a run that cannot fit."""
-        if not self.limited:
+        if self.fits(prompt_len, completion_len):
             return
-        needs = self._needs(prompt_len, completion_len)
-        phase, need = max(needs.items(), key=lambda kv: kv[1])
-        if need > self.usable:
-            c = self.cfg
-            what = {"load": "loading the model", "rollout": f"sampling one prompt's {c.group_size} completions",
-                    "update": "the update's smallest plan (one completion at a time, checkpointing on)",
-                    "evaluation": "evaluating one held-out prompt"}[phase]
-            named = self.cfg.memory_budget or f"a {self.bytes / GIB:.2f} GiB budget ({self.source})"
-            raise UserError(f"config field memory_budget: {named} cannot hold {what} with prompts of up to "
-                            f"{prompt_len} tokens and {completion_len} new tokens: that needs a budget of at least "
-                            f"{need * (1 + PLAN_MARGIN) / GIB:.2f} GiB (or lower group_size, prompts_per_step or "
-                            f"max_new_tokens)", field="memory_budget")
+        phase, need = self.least_budget(prompt_len, completion_len)
+        c = self.cfg
+        what = {"load": "loading the model", "rollout": f"sampling one prompt's {c.group_size} completions",
+                "update": "the update's smallest plan (one completion at a time, checkpointing on)",
+                "evaluation": "evaluating one held-out prompt", "judging": "the judge's reply to one request"}[phase]
+        named = self.cfg.memory_budget or f"a {self.bytes / GIB:.2f} GiB budget ({self.source})"
+        raise UserError(f"config field memory_budget: {named} cannot hold {what} with prompts of up to "
+                        f"{prompt_len} tokens and {completion_len} new tokens: that needs a budget of at least "
+                        f"{need / GIB:.2f} GiB (or lower group_size, prompts_per_step or "
+                        f"max_new_tokens)", field="memory_budget")
 
     def plan(self, prompt_len: int, completion_len: int) -> Plan:
         """The update's plan for a batch's real lengths: as configured (``micro_batch_size``, no checkpointing)
@@ -375,7 +445,8 @@ class MemoryBudget:
         return {"load": self.base + load_bytes(self.shape, c.lora_rank, self.in_4bit, self.dtype_bytes),
                 **({"evaluation": self._decode(evals, 1, prompt_len, completion_len)} if evals else {}),
                 "rollout": self._decode(at_once, c.group_size, prompt_len, completion_len),
-                "update": self.base + plan.peak_bytes}
+                "update": self.base + plan.peak_bytes,
+                **({"judging": self._judging(self.judge_requests())} if self.judge else {})}
 
     def describe(self, prompt_len: int, completion_len: int) -> list[str]:
         """The run's first lines about memory: the budget with each phase's predicted peak, then (only when
@@ -400,6 +471,9 @@ class MemoryBudget:
         if evals < self._eval_prompts:
             changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time "
                            f"(eval_batch_size {c.eval_batch_size})")
+        if self.judge and self.judge_requests() < self.judge.requests:
+            n = self.judge_requests()
+            changed.append(f"the judge {n} request{'s' * (n > 1)} at a time (of {self.judge.requests})")
         if changed:
             lines.append("memory: to fit the budget, " + "; ".join(changed))
         return lines if changed or c.memory_budget else []  # the free memory holds the run as configured: quiet
@@ -446,7 +520,7 @@ def available_bytes(device) -> int | None:
 
 
 def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
-                torch_decodes: bool = True) -> tuple[bool, str]:
+                torch_decodes: bool = True, judge: JudgeLoad | None = None) -> tuple[bool, str]:
     """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
     GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
     decode step there (1.2-1.8x slower sampling in `localrl bench rollout` on a quiet 2-core machine, 11.7x
@@ -455,13 +529,11 @@ def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
         return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
     if device.type == "cuda":
         return True, "4-bit NF4 base (QLoRA): a GPU, where it saves memory for little speed"
-    full = MemoryBudget(shape, cfg, device, False, extra, torch_decodes)
-    try:
-        full.check(prompt_len, cfg.max_new_tokens)
-    except UserError:
-        need = max(full._needs(prompt_len, cfg.max_new_tokens).values())
-        return True, (f"4-bit NF4 base: a CPU, but a full-precision run needs {need / GIB:.2f} GiB and the budget "
-                      f"is {full.bytes / GIB:.2f} GiB ({full.source})")
+    full = MemoryBudget(shape, cfg, device, False, extra, torch_decodes, judge)
+    if not full.fits(prompt_len, cfg.max_new_tokens):
+        need = full.least_budget(prompt_len, cfg.max_new_tokens)[1]
+        return True, (f"4-bit NF4 base: a CPU, but a full-precision run needs a {need / GIB:.2f} GiB budget and "
+                      f"the budget is {full.bytes / GIB:.2f} GiB ({full.source})")
     return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (slower)"
 
 

@@ -78,6 +78,17 @@ def group_generators(seed: int, indices, device) -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed((seed * 1_000_033 + i) % 2**63) for i in indices]
 
 
+def sample_in_chunks(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, stop_ids: list[int],
+                     pad_id: int, temperature: float, generators: list[torch.Generator] | None, at_once: int
+                     ) -> Rollout:
+    """``sample_groups`` over ``at_once`` prompts at a time (as many as a memory budget holds), as one rollout;
+    each group draws from its own generator (or decodes greedily: ``temperature`` 0, no generators), so the
+    completions are those of sampling all prompts at once."""
+    return concat_rollouts([sample_groups(model, prompts[i:i + at_once], group_size, max_new_tokens, stop_ids,
+                                          pad_id, temperature, generators[i:i + at_once] if generators else None)
+                            for i in range(0, len(prompts), at_once)], pad_id)
+
+
 @torch.no_grad()
 def sample_groups(
     model,

@@ -40,10 +40,11 @@ from localrl.envs.shell_tasks import load_tasks
 from localrl.errors import UserError
 from localrl.evaluate import columns_of, evaluate
 from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
-                                initial_library, judge_request, parse_edits, question_text, reply_start)
+                                initial_library, judge_load, judge_request, parse_edits, question_text, reply_start)
 from localrl.grpo import EntropyControl, step_record, update
 from localrl.heap import return_freed_memory
-from localrl.memory import MemoryBudget, ModelShape, choose_4bit, llama_bytes
+from localrl.memory import (JudgeLoad, MemoryBudget, ModelShape, check_conversion, choose_4bit, frozen_bytes,
+                            llama_bytes)
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.monitors import HackingMonitor, reward_shares
 from localrl.modeling import (check_weights, default_4bit, load_base, load_config, load_policy, load_tokenizer,
@@ -53,7 +54,7 @@ from localrl.markovian import markovian_step, sample_markovian, trace_rollout
 from localrl.rewards import (RewardFn, combine, config_rewards, overlong_punishment, resolve_rewards, reward_names,
                              score)
 from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
-                             group_generators, sample_groups, stop_token_ids)
+                             group_generators, sample_in_chunks, stop_token_ids)
 from localrl.reference import Reference
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.sft import sft_step
@@ -121,6 +122,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
     cfg.validate()
     check_distributed(cfg, world())
     resolve_rewards(cfg.reward, cfg.reward_weights)
+    device = rank_device(pick_device(cfg.device), world())
+    check_conversion(cfg, cfg.model, device)
     path, config = load_config(cfg.model)
     check_weights(path)
     if cfg.init_adapter and not resume:
@@ -152,48 +155,55 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> Preflight:
 
     task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system)
     probe_rewards(cfg, (task.held_out or task.sample(0, 2, cfg.seed))[:2])
-    device = rank_device(pick_device(cfg.device), world())
     shape = ModelShape.from_config(config)
     backend, why_backend = choose_rollout(cfg, device, config, tok)
     # llama.cpp's copy of the weights and its context live in this process all run
     extra = llama_bytes(shape, cfg.prompts_per_step * cfg.group_size, longest + cfg.max_new_tokens) \
         if backend == "llama.cpp" else 0
-    in_4bit, why = choose_4bit(cfg, shape, longest, device, extra, torch_decodes=backend == "torch")
-    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit, extra, torch_decodes=backend == "torch")
-    judge_path = ""
+    judge_path, judge = "", None
     if cfg.objective == "experience":
         try:  # a library to start from must read
             initial_library(cfg.experience_size, cfg.experience_init)
         except UserError as e:
             raise UserError(f"config field experience_init: {e}", field="experience_init") from None
-        judge_path = _judge_preflight(cfg, tok, context)
+        judge_path, judge = _judge_preflight(cfg, tok, context, device, shape, longest)
+    decodes = backend == "torch"
+    in_4bit, why = choose_4bit(cfg, shape, longest, device, extra, torch_decodes=decodes, judge=judge)
+    budget = MemoryBudget.for_run(cfg, shape, longest, device, in_4bit, extra, torch_decodes=decodes, judge=judge)
     return Preflight(task, device, budget, longest, in_4bit, why, backend, why_backend, path, judge_path=judge_path)
 
 
-def _judge_preflight(cfg: TrainConfig, tok, context: int | None) -> str:
+def _judge_preflight(cfg: TrainConfig, tok, context: int | None, device, shape: ModelShape, longest: int
+                     ) -> tuple[str, JudgeLoad]:
     """Training-free GRPO's judge: its weights and tokenizer, and a context that holds a request; its resolved
-    directory ("" when the policy model judges)."""
+    directory ("" when the policy model judges) and its share of the run's memory."""
     if not cfg.experience_judge:
         check_judge_fits(tok, context, cfg.max_new_tokens, cfg.experience_judge_tokens,
                          f"the policy model {cfg.model} (the judge while experience_judge is empty)")
-        return ""
+        return "", judge_load(cfg, tok, context, shape, 0, longest)
+    check_conversion(cfg, cfg.experience_judge, device)
     try:
         path, config = load_config(cfg.experience_judge)
     except UserError as e:
         raise UserError(f"config field experience_judge: {e}", field="experience_judge") from None
     check_weights(path)
-    check_judge_fits(load_tokenizer(path), getattr(config, "max_position_embeddings", None), cfg.max_new_tokens,
-                     cfg.experience_judge_tokens, f"the judge {cfg.experience_judge}")
-    return path
+    judge_tok, judge_context = load_tokenizer(path), getattr(config, "max_position_embeddings", None)
+    check_judge_fits(judge_tok, judge_context, cfg.max_new_tokens, cfg.experience_judge_tokens,
+                     f"the judge {cfg.experience_judge}")
+    judge_shape = ModelShape.from_config(config)
+    weights = frozen_bytes(judge_shape, default_4bit(cfg.quantize, device), device)
+    return path, judge_load(cfg, judge_tok, judge_context, judge_shape, weights, longest)
 
 
 def _load_judge(cfg: TrainConfig, pre: Preflight, model, tok) -> Judge:
     """The policy model as its own judge, or the ``experience_judge`` model (frozen, no adapter)."""
+    at_once = pre.budget.judge_requests()  # as many requests at a time as the memory budget holds
     if not pre.judge_path:
-        return Judge(model, tok, cfg.experience_judge_tokens, getattr(model.config, "max_position_embeddings", None))
+        return Judge(model, tok, cfg.experience_judge_tokens, getattr(model.config, "max_position_embeddings", None),
+                     at_once)
     judge = load_base(pre.judge_path, default_4bit(cfg.quantize, pre.device), pre.device)
     return Judge(judge, load_tokenizer(pre.judge_path), cfg.experience_judge_tokens,
-                 getattr(judge.config, "max_position_embeddings", None))
+                 getattr(judge.config, "max_position_embeddings", None), at_once)
 
 
 def probe_rewards(cfg: TrainConfig, rows: list[dict]) -> None:
@@ -680,9 +690,8 @@ def _sample_round(model, tok, task, rows, cfg: TrainConfig, reward_fns, stops, s
         generators = group_generators(seed, range(share.start, share.start + len(rows)), device)
         at_once = len(prompts) if budget is None else budget.rollout_prompts(
             len(prompts), cfg.group_size, max(map(len, prompts)), cfg.max_new_tokens)
-        rollout = concat_rollouts([sample_groups(model, prompts[i:i + at_once], cfg.group_size, cfg.max_new_tokens,
-                                                 stops, tok.pad_token_id, cfg.temperature, generators[i:i + at_once])
-                                   for i in range(0, len(prompts), at_once)], tok.pad_token_id)
+        rollout = sample_in_chunks(model, prompts, cfg.group_size, cfg.max_new_tokens, stops, tok.pad_token_id,
+                                   cfg.temperature, generators, at_once)
     columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
     texts = decode_completions(tok, rollout)
     return _Round(rollout, sampler_logp, score(reward_fns, texts, columns), texts)

@@ -8,6 +8,8 @@ transformers reads a GGUF (dequantising every tensor), but the model it builds r
 ``save_pretrained``; its weights are copied into a plain model of the same config and saved,
 with the tokenizer, once, in a cache directory keyed by a fingerprint of the file
 (``$XDG_CACHE_HOME/localrl/gguf``). Weights are kept in float32 (bfloat16 above 2B parameters).
+The conversion's peak is transformers' reading of the file (``memory.conversion_bytes`` predicts it;
+a run checks it against its budget before converting).
 
 The tokenizer is transformers' conversion with its pre-tokenizer rebuilt from the split rules
 llama.cpp runs for the file's ``tokenizer.ggml.pre`` (transformers keeps only a GPT-2 split and
@@ -87,10 +89,20 @@ def fingerprint(path: Path, samples: int = 32, chunk: int = 1 << 16) -> str:
     return h.hexdigest()
 
 
+def _cache_dir(path: Path) -> Path:
+    return cache_root() / fingerprint(path)  # by content: the same file under another name or in Ollama's store
+
+
+def converted_dir(name: str) -> Path | None:
+    """The cached model directory of a GGUF source, or None while it has not been converted."""
+    out = _cache_dir(gguf_path(name))
+    return out if (out / "config.json").is_file() else None
+
+
 def model_dir(name: str, log=print) -> Path:
     """A Hugging Face model directory holding the GGUF's weights and tokenizer (converted once, cached)."""
     path = gguf_path(name)
-    out = cache_root() / fingerprint(path)  # by content: the same file under another name or in Ollama's store
+    out = _cache_dir(path)
     if (out / "config.json").is_file():
         return out
     log(f"converting {path} to a Hugging Face model directory (once; cached in {out})")
@@ -113,13 +125,20 @@ def _convert(path: Path, out: Path, log) -> None:
             from None
     config = model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the copy below is a plain model: nothing to dequantise on load
+        del config.quantization_config  # the model below is a plain one: nothing to dequantise on load
     dtype = torch.bfloat16 if sum(p.numel() for p in model.parameters()) > 2e9 else torch.float32
-    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(model.state_dict())
+    state = model.state_dict()
+    del model
+    for name in state:  # cast tensor by tensor, each float32 original freed as it goes
+        state[name] = state[name].to(dtype)
+    with torch.device("meta"):  # a plain model made of the loaded tensors themselves: no second copy (which
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)  # took SmolLM2's peak from 1.12 to 1.48 GiB)
+    plain.load_state_dict(state, assign=True)
+    plain.tie_weights()
+    del state
     plain.generation_config.eos_token_id = tok.eos_token_id
     plain.save_pretrained(out)
-    del model, plain
+    del plain
     _fix_pre_tokenizer(tok, read_gguf_pre(path))
     tok.save_pretrained(out)
     _check_tokenizer(path, tok, log)

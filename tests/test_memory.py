@@ -206,3 +206,48 @@ def test_the_run_plan_covers_every_phase_and_names_the_one_that_does_not_fit():
     assert budget.nearing(5 * 1024) is None
     with pytest.raises(UserError, match="2GB cannot hold the update.s smallest plan .* needs a budget of at least"):
         MemoryBudget.for_run(TrainConfig(memory_budget="2GB", quantize="nf4").validate(), shape, 256, cpu, True)
+
+
+def test_a_gguf_conversion_the_budget_cannot_hold_is_refused_before_it_starts(tmp_path, builtin_model, monkeypatch):
+    from localrl.config import TrainConfig
+    from localrl.memory import check_conversion, conversion_bytes, read_shape
+    from localrl.quant.export import export
+    from localrl.quant.gguf_import import converted_dir
+
+    gguf = tmp_path / "tiny.gguf"
+    export(builtin_model, gguf, "f32", check=False, log=lambda *_: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    need = conversion_bytes(read_shape(str(gguf)), gguf.stat().st_size)
+    assert need > 0.45 * GIB + gguf.stat().st_size  # the libraries, the file, and transformers' float32 copies
+    proc = subprocess.run([sys.executable, "-m", "localrl", "train", "--model", str(gguf), "--memory-budget",
+                           f"{int(need / 2**20)}MB", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True)  # XDG_CACHE_HOME inherited: an empty cache
+    assert proc.returncode == 2 and "cannot hold converting" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and converted_dir(str(gguf)) is None
+    check_conversion(TrainConfig(model=str(gguf), memory_budget="2GB").validate(), str(gguf), torch.device("cpu"))
+
+
+def test_the_experience_judge_is_planned_as_a_phase_of_its_own():
+    from localrl.config import TrainConfig
+    from localrl.memory import JudgeLoad, MemoryBudget, frozen_bytes
+
+    cpu, shape = torch.device("cpu"), ModelShape.from_config(QWEN25_1_5B)
+    small = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,  # SmolLM2
+                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                                    "tie_word_embeddings": True})
+    cfg = TrainConfig(objective="experience", prompts_per_step=16, group_size=4, max_new_tokens=128,
+                      memory_budget="4GB").validate()
+    # a separate 1.5B judge in float32: its weights are held all run, its 16 requests of 1,500 tokens decoded
+    judge = JudgeLoad(shape, frozen_bytes(shape, False, cpu), 16, 1500, 96)
+    with pytest.raises(UserError, match="4GB cannot hold"):  # 6 GB of judge weights do not fit 4 GB
+        MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=judge)
+    cfg = TrainConfig(objective="experience", prompts_per_step=16, group_size=4, max_new_tokens=128,
+                      memory_budget="10GB").validate()
+    budget = MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=judge)
+    phases = budget.phases(200, 128)
+    assert phases["judging"] > phases["rollout"] and budget.base >= 6 * GIB  # the judge's weights held
+    assert 1 <= budget.judge_requests() < 16  # its caches, 16 at once, do not fit beside them: fewer at a time
+    assert f"the judge {budget.judge_requests()} requests at a time (of 16)" in budget.describe(200, 128)[1]
+    # the policy as its own judge: no weights added, the same requests
+    itself = MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=JudgeLoad(small, 0, 16, 1500, 96))
+    assert itself.base == MemoryBudget(small, cfg, cpu, False).base and itself.judge_requests() == 16
