@@ -1,0 +1,82 @@
+"""Every `localrl ...` command written in the README and docs/ parses as written: the command and its flags
+exist, config-field values have their field's type, choices are among the choices (argparse and
+config.split_overrides, as `localrl` itself reads a command line, without running it)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from localrl.cli import FIELD_COMMANDS, _parse
+from localrl.config import split_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_SEPARATORS = re.compile(r"\s(?:&&|\|\||\||;)\s")
+
+
+def fenced_lines(text: str) -> list[str]:
+    """The lines of the page's fenced blocks, backslash continuations joined."""
+    lines, fence, joined = [], False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            joined += line.rstrip()
+            if joined.endswith("\\"):
+                joined = joined[:-1] + " "
+                continue
+            lines.append(joined.strip())
+            joined = ""
+    return lines
+
+
+def commands(page: Path) -> list[str]:
+    """The `localrl` invocations in a page's fenced blocks: one per shell segment, a prompt's `$ ` and a
+    leading `/usr/bin/time -v` or environment assignment dropped. Synopses (`[--flag X]`, `A|B`, `...`)
+    are not commands."""
+    found = []
+    for line in fenced_lines(page.read_text()):
+        line = line.removeprefix("$ ")
+        for segment in SHELL_SEPARATORS.split(line):
+            segment = segment.split(" #", 1)[0].strip().removesuffix("&").strip()
+            segment = re.sub(r"^(?:/usr/bin/time(?: -v)? |[A-Z_]+=\S+ )+", "", segment)
+            if not segment.startswith("localrl ") or re.search(r"\[|\]|\.\.\.|\w\|\w", segment):
+                continue
+            if re.match(r"localrl \S+ \(", segment):  # a benchmark's output row ("localrl steps (s): ..."), not a command
+                continue
+            found.append(segment)
+    return found
+
+
+ALL = [(page.relative_to(ROOT).as_posix(), command) for page in PAGES for command in commands(page)]
+
+
+def test_the_pages_have_commands_to_check():
+    pages = {page for page, _ in ALL}
+    assert "README.md" in pages and len(pages) >= 8 and len(ALL) >= 30, (pages, len(ALL))
+
+
+@pytest.mark.parametrize("page, command", ALL, ids=[f"{p}:{c[:60]}" for p, c in ALL])
+def test_a_documented_command_parses(page, command):
+    argv = shlex.split(command)[1:]
+    if argv and argv[0] in FIELD_COMMANDS:
+        _, rest = split_overrides(argv[1:], FIELD_COMMANDS[argv[0]])
+        _parse([argv[0], *rest])
+    else:
+        _parse(argv)
+
+
+def test_every_relative_link_resolves():
+    missing = [(page.name, m.group(1)) for page in PAGES
+               for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+               if not m.group(1).startswith(("http://", "https://")) and not (page.parent / m.group(1)).exists()]
+    assert not missing, missing
+
+
+def test_the_readme_is_one_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300  # each topic's details live in docs/
