@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from localrl.errors import UserError
+from localrl.memory import reset_resident_peak, resident_bytes
 from localrl.prompt_cache import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
@@ -48,13 +49,6 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 MODEL_SHAPES = {"full": BENCH_SHAPE, "tiny": TINY_SHAPE}
 # Characters the grpo-step prompts are drawn from; merges between them are undone by exact_length_prompts.
 PROMPT_ALPHABET = string.ascii_lowercase + " "
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 class PeakMemory:
@@ -82,8 +76,8 @@ class PeakMemory:
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
             except OSError:
                 pass
-            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-            self._base = _rss_kib("VmRSS") * 1024
+            reset_resident_peak()
+            self._base = resident_bytes("VmRSS")
         else:
             from torch.profiler import ProfilerActivity, profile
 
@@ -97,7 +91,7 @@ class PeakMemory:
             self.high = torch.cuda.max_memory_allocated()
             self.peak = self.high - self._base
         elif self.rss:
-            self.high = _rss_kib("VmHWM") * 1024
+            self.high = resident_bytes("VmHWM")
             self.peak = self.high - self._base
         else:
             self._prof.__exit__(*exc)
@@ -396,7 +390,7 @@ def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, lo
     quants = export_quants(quants)
     rows = []
     log(f"{'type':<7} {'load s':>6} {'write s':>7} {'f16 check s':>11} {'quantise s':>10} {'check s':>7} "
-        f"{'total s':>7} {'MiB':>7} | {'tokens':>6} {'top-1':>6} {'decisive':>8} {'KL':>8} {'median':>7} "
+        f"{'total s':>7} {'peak GiB':>8} {'MiB':>7} | {'tokens':>6} {'top-1':>6} {'decisive':>8} {'KL':>8} {'median':>7} "
         f"{'worst':>7} {'greedy':>6} | result")
     with tempfile.TemporaryDirectory() as tmp:
         for quant in quants:
@@ -404,7 +398,9 @@ def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, lo
             result = export(source, out, quant, log=lambda *_: None)
             r = result.report
             row = {"quant": quant, "seconds": {p: result.seconds.get(p, 0.0) for p in EXPORT_PHASES},
-                   "export_s": sum(result.seconds.values()), "bytes": out.stat().st_size if result.path else None,
+                   "export_s": sum(result.seconds.values()),
+                   "peak_gib": {p: result.peaks[p] / 2**30 for p in EXPORT_PHASES if p in result.peaks},
+                   "bytes": out.stat().st_size if result.path else None,
                    "tokens_identical": r.tokens_identical, "top1": r.top1_agreement,
                    "decisive_top1": r.decisive_agreement, "decisive_positions": r.decisive_positions,
                    "kl_mean": r.kl_mean, "max_abs_logit_diff": r.max_abs_logit_diff,
@@ -414,7 +410,8 @@ def bench_export(source: str = "tiny-arith", quants: list[str] | None = None, lo
             t = row["seconds"]
             size = f"{row['bytes'] / 2**20:>7.1f}" if row["bytes"] else f"{'-':>7}"
             log(f"{quant:<7} {t['load']:>6.1f} {t['write']:>7.1f} {t['validate f16']:>11.1f} {t['quantise']:>10.1f} "
-                f"{t['validate']:>7.1f} {row['export_s']:>7.1f} {size} | "
+                f"{t['validate']:>7.1f} {row['export_s']:>7.1f} {max(row['peak_gib'].values(), default=0):>8.2f} "
+                f"{size} | "
                 f"{'same' if r.tokens_identical else 'DIFF':>6} {r.top1_agreement:>6.1%} {r.decisive_agreement:>8.1%} "
                 f"{r.kl_mean:>8.5f} {r.median_rel_logit_error:>7.2%} {r.rel_logit_error:>7.2%} "
                 f"{'same' if r.greedy_identical else 'diff':>6} | {'pass' if r.passed else 'FAIL'}")

@@ -255,6 +255,29 @@ def check_conversion(cfg, model: str, device) -> None:
                         f"at least {need / GIB:.2f} GiB", field="memory_budget")
 
 
+def export_bytes(shape: ModelShape) -> int:
+    """``localrl export``'s peak (quant/export.py): the libraries, the merged model in float32, and a 2-byte
+    copy of its weights beside it, twice over: the checkpoint's pages as it loads (a bf16 or f16 file is
+    mapped while it is cast), then llama.cpp's f16 file as it validates or quantises it. (The writer spools
+    each tensor to disk as it goes.) Measured at the qwen2.5-1.5b shape: 8.98 GiB loading, 9.42 GiB
+    validating, against 9.08 predicted (docs/export.md)."""
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    params = shape.linear_params_per_layer * shape.layers + embeddings
+    return RUNTIME_BYTES + 6 * params
+
+
+def check_export(shape: ModelShape, where: str) -> None:
+    """Refuse, before any weight loads, an export the memory free at start (less FREE_MARGIN) cannot hold."""
+    import torch
+
+    free = available_bytes(torch.device("cpu"))
+    need = int(export_bytes(shape) * (1 + PLAN_MARGIN))
+    if free is not None and need > free * (1 - FREE_MARGIN):
+        raise UserError(f"{where}: needs about {need / GIB:.2f} GiB of memory (the model in float32 and a 2-byte "
+                        f"copy of its weights: the checkpoint as it loads, llama.cpp's f16 file as it checks it); "
+                        f"{free / GIB:.2f} GiB is free")
+
+
 def decode_bytes(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
                  dtype_bytes: int) -> int:
     """Sampling's own peak (rollout.sample_groups): the prompts' prefill, then every row's key/value cache at
@@ -535,6 +558,26 @@ def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
         return True, (f"4-bit NF4 base: a CPU, but a full-precision run needs a {need / GIB:.2f} GiB budget and "
                       f"the budget is {full.bytes / GIB:.2f} GiB ({full.source})")
     return False, "full-precision base: a CPU, where 4-bit weights are dequantised at every decode step (slower)"
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """The process's resident set (``VmRSS``) or its high-water mark (``VmHWM``), from /proc (None elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_resident_peak() -> None:
+    """The high-water mark back to the current resident set, so the next ``resident_bytes("VmHWM")`` is the
+    peak since now (a no-op where /proc/self/clear_refs cannot be written)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def peak_memory_mb(device) -> float:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.errors import UserError, out_of_space
+from localrl.memory import ModelShape, check_export, reset_resident_peak, resident_bytes
 from localrl.quant.gguf_check import CheckReport, check_gguf
 from localrl.quant.gguf_writer import (LLAMA_CPP_TYPES, check_architecture, llama_cpp_quantize, pre_tokenizer_guess,
                                        vocab_kind, write_gguf)
@@ -37,6 +38,7 @@ class ExportResult:
     report: CheckReport | None
     modelfile: Path | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # each phase's wall time, in the order they ran
+    peaks: dict[str, int] = field(default_factory=dict)  # each phase's resident peak, bytes (where /proc tells)
 
 
 DIRECT_TYPES = ("f32", "f16", "bf16")  # written by gguf-py; the rest by llama.cpp's quantizer
@@ -98,23 +100,28 @@ def pre_tokenizer(config, tok, tok_dir: Path, log=print) -> str | None:
 
 
 class Phases:
-    """Wall time of each phase of an export, and a log line as each starts (an export takes seconds to minutes)."""
+    """Wall time and resident peak of each phase of an export, and a log line as each starts (an export takes
+    seconds to minutes)."""
 
     def __init__(self, log=print):
-        self.log, self.t0, self.seconds = log, time.monotonic(), {}
+        self.log, self.t0, self.seconds, self.peaks = log, time.monotonic(), {}, {}
         self.current, self.since = None, self.t0
 
     def start(self, phase: str | None, text: str | None = None) -> None:
         now = time.monotonic()
         if self.current is not None:
             self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.since
+            peak = resident_bytes("VmHWM")
+            if peak is not None:
+                self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
+        reset_resident_peak()
         self.current, self.since = phase, now
         if text:
             self.log(f"[{now - self.t0:4.0f} s] {text}")
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> tuple[dict[str, float], dict[str, int]]:
         self.start(None)
-        return self.seconds
+        return self.seconds, self.peaks
 
 
 def remove_leftovers(out: Path) -> None:
@@ -135,10 +142,14 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     phases = Phases(log)
 
     def result(path, report, modelfile=None) -> ExportResult:
-        return ExportResult(path, what, report, modelfile, phases.stop())
+        return ExportResult(path, what, report, modelfile, *phases.stop())
+
+    def before_loading(config, tok) -> None:  # the architecture, vocabulary and memory, before weights load
+        check_exportable(config, tok)
+        check_export(ModelShape.from_config(config), "export")
 
     phases.start("load", f"loading {source}" + (" and merging its adapter" if is_run(source) else ""))
-    model, tok, tok_dir, what = load_merged(source, check=check_exportable)
+    model, tok, tok_dir, what = load_merged(source, check=before_loading)
     log(f"exporting {what}")
     phases.start("write")  # choosing the pre-tokenizer writes vocabulary-only files
     pre = pre_tokenizer(model.config, tok, tok_dir, log)

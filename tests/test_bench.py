@@ -142,13 +142,14 @@ def test_bench_grpo_step_tiny():
 def test_bench_export_tiny(builtin_model):
     proc = bench("export", "--quant", "q8_0", "--json")  # one type: each costs seconds (comma lists: tested above)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^q8_0 +(\S+ +){7}\| +same .*\| pass$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^q8_0 +(\S+ +){8}\| +same .*\| pass$", proc.stdout, re.M), proc.stdout
     [row] = json_line(proc.stdout)
     assert row["quant"] == "q8_0" and row["passed"] and row["tokens_identical"] and row["bytes"] > 0
     phases = row["seconds"]
     assert list(phases) == ["load", "write", "validate f16", "quantise", "validate"]
     assert all(phases[p] > 0 for p in phases), phases  # a q8_0 export runs every phase
     assert row["export_s"] == pytest.approx(sum(phases.values()))
+    assert set(row["peak_gib"]) == set(phases) and all(0.2 < g < 8 for g in row["peak_gib"].values())
     assert 0 < row["top1"] <= 1 and row["kl_mean"] >= 0 and 0 <= row["median_rel_logit_error"] <= row["rel_logit_error"]
 
 

@@ -351,3 +351,19 @@ def test_llama_cpp_loads_without_extra_buffers_on_amx_cpus(monkeypatch):
     llama_cpp = require_llama_cpp("this test")
     assert llama_cpp.llama_model_default_params().use_extra_bufts is (not cpu_has_amx())
     assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts is (not cpu_has_amx())
+
+
+def test_an_export_the_free_memory_cannot_hold_stops_before_loading(builtin_model, tmp_path, monkeypatch):
+    from localrl.memory import FREE_MEMORY_ENV, export_bytes, read_shape
+
+    assert export_bytes(read_shape(str(builtin_model))) > 0.45 * 2**30  # the libraries, weights and copies
+    monkeypatch.setenv(FREE_MEMORY_ENV, "300MB")  # less than the libraries alone
+    with pytest.raises(UserError, match=r"export: needs about .* GiB of memory .* 0.29 GiB is free"):
+        export(builtin_model, tmp_path / "x.gguf", "q8_0", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_records_each_phase_and_its_resident_peak(builtin_model, tmp_path):
+    result = export(builtin_model, tmp_path / "x.gguf", "q8_0", log=lambda *_: None)
+    assert list(result.seconds) == ["load", "write", "validate f16", "quantise", "validate"] == list(result.peaks)
+    assert all(2**27 < peak < 2**33 for peak in result.peaks.values())  # the whole process, libraries included
