@@ -84,6 +84,11 @@ class ModelShape:
         mlp = 3 * self.hidden * self.intermediate
         return 2 * q + kv + mlp  # q and o have the same size
 
+    @property
+    def matrix_params(self) -> int:
+        """Every layer's linear weights and the embedding (and the output head, when not tied); norms left out."""
+        return self.linear_params_per_layer * self.layers + self.vocab * self.hidden * (1 if self.tied else 2)
+
     def lora_params(self, rank: int) -> int:
         d, qd, kvd, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         per_layer = rank * ((d + qd) + 2 * (d + kvd) + (qd + d) + 2 * (d + i) + (i + d))
@@ -234,9 +239,7 @@ def conversion_bytes(shape: ModelShape, file_bytes: int) -> int:
     before the run plans anything else): the libraries, the file (memory-mapped, so resident as it is read),
     and transformers' dequantised float32 tensors beside the model it fills (CONVERSION_FACTOR times the
     float32 weights)."""
-    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-    weights = 4 * (shape.linear_params_per_layer * shape.layers + embeddings)
-    return RUNTIME_BYTES + file_bytes + int(CONVERSION_FACTOR * weights)
+    return RUNTIME_BYTES + file_bytes + int(CONVERSION_FACTOR * 4 * shape.matrix_params)
 
 
 def check_conversion(cfg, model: str, device) -> None:
@@ -261,9 +264,7 @@ def export_bytes(shape: ModelShape) -> int:
     mapped while it is cast), then llama.cpp's f16 file as it validates or quantises it. (The writer spools
     each tensor to disk as it goes.) Measured at the qwen2.5-1.5b shape: 8.98 GiB loading, 9.42 GiB
     validating, against 9.08 predicted (docs/export.md)."""
-    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-    params = shape.linear_params_per_layer * shape.layers + embeddings
-    return RUNTIME_BYTES + 6 * params
+    return RUNTIME_BYTES + 6 * shape.matrix_params
 
 
 def check_export(shape: ModelShape, where: str) -> None:
@@ -294,8 +295,7 @@ def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
     """llama.cpp's share of a process that samples with it (llama_rollout.py): the weights written as f16,
     a context of ``tokens`` f16 key/value cells for each of ``rows`` sequences, and float32 logits of a
     512-token batch."""
-    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-    weights = 2 * (shape.linear_params_per_layer * shape.layers + embeddings)
+    weights = 2 * shape.matrix_params
     cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * rows * tokens
     return int(weights + cache + 512 * shape.vocab * 4)
 
