@@ -266,7 +266,7 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
     from localrl.models.recipe import build_tokenizer
     from localrl.rollout import encode_prompts
     from localrl.tasks import Task
-    from localrl.trainer import train_step
+    from localrl.objectives.grpo import step_on_task
 
     if prompt_len < 1 or completion_len < 1 or group < 2 or steps < 1:
         raise UserError("bench grpo-step: need --prompt-len and --completion-len >= 1, --group >= 2, --repeats >= 1")
@@ -283,7 +283,7 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
         # localrl: its own step function, stop tokens disabled so every completion has R tokens
         cfg = TrainConfig(model=path, data="rows", prompts_per_step=1, group_size=group,
                           max_new_tokens=completion_len, beta=0.0, eval_size=0).validate()
-        ours_prompt = [len(ids) for ids in encode_prompts(tok, rows)]  # the encoding train_step uses
+        ours_prompt = [len(ids) for ids in encode_prompts(tok, rows)]  # the encoding a step uses
         torch.manual_seed(0)
         model = get_peft_model(load_base(path, True, device), lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
@@ -291,7 +291,7 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
         ours, ours_completion = [], []
         for step in range(steps + 1):
             t0 = time.perf_counter()
-            record = train_step(model, tok, optimizer, task, step, cfg, [distinct_chars], [1.0], stops=[])
+            record = step_on_task(model, tok, optimizer, task, step, cfg, [distinct_chars], [1.0], stops=[])
             ours.append(time.perf_counter() - t0)
             ours_completion.append(record["completion_len"])  # mean tokens per completion; all truncated at R
             if record["frac_reward_zero_std"] > 0:  # such groups would be left out of localrl's update
@@ -489,7 +489,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     with the shared-prompt forward against the concatenated one (median of ``repeats`` each, alternated,
     gradients checked equal). The optimizer never steps, so every repeat sees the same weights."""
     from localrl.agent_rollout import run_episodes
-    from localrl.agent_train import env_setup, task_seeds
+    from localrl.envs import environment_for, task_seeds
     from localrl.config import build_config
     from localrl.grpo import grpo_step
     from localrl.losses import group_advantages
@@ -499,7 +499,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     cfg = build_config(None, {"env": "shell", "model": model, "prompts_per_step": prompts, "group_size": group,
                               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "quantize": "none",
                               "device": "cpu", "eval_size": 0})
-    setup = env_setup(cfg)
+    setup = environment_for(cfg)
     torch.manual_seed(0)
     policy, tok = load_policy(cfg, torch.device("cpu"))
     context = getattr(policy.config, "max_position_embeddings", None) or 2048

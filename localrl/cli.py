@@ -41,7 +41,7 @@ class ProgressBar:
     """A rich progress display fed by metrics records: what the run is loading, the held-out
     evaluation's progress, then steps with reward, accuracy, KL and an ETA."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, summary=None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -50,6 +50,7 @@ class ProgressBar:
         self.total = total
         self.tasks: dict[str, int] = {}
         self.steps: list[dict] = []  # the train records seen, for the ETA
+        self.summary = summary  # a step record in one line (the objective's); None: no train records expected
 
     def log(self, text: str) -> None:
         """A line above the bar, as written: not rich markup ("pip install 'localrl[llama]'" keeps its brackets)."""
@@ -76,11 +77,7 @@ class ProgressBar:
             self.log(f"eval {record['when']}: {_eval_line(record)}")
         elif kind == "train":  # the clock starts at the first step, after loading and evaluation
             task = self._task("train", "train", self.total, record["step"] - 1)
-            if record.get("objective") == "sft":
-                stats = f"loss {record['loss']:.4f}  {record['demos']} demos"
-            else:
-                kl = "" if record["kl"] is None else f"  kl {record['kl']:.4f}"
-                stats = f"reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}{kl}"
+            stats = self.summary(record) if self.summary is not None else ""
             self.steps.append(record)
             self.progress.update(task, completed=record["step"], stats=stats, eta=eta_seconds(self.steps, self.total))
 
@@ -127,7 +124,9 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         cfg = resume_config(args.resume, overrides)
     else:
         cfg = build_config(args.config, overrides)
-    bar = ProgressBar(cfg.steps)
+    from localrl.objectives import objective_for
+
+    bar = ProgressBar(cfg.steps, objective_for(cfg).summary)
     try:
         result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.log)
     finally:

@@ -23,19 +23,27 @@ from localrl.errors import UserError
 BUILTIN_TASKS = ("arith", "words")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.losses
 SCALE_REWARDS = ("group", "batch", "none")
-ENVIRONMENTS = ("", "shell")
 SHELL_FAMILIES = ("count", "files", "edit", "csv", "multi")  # localrl.envs.shell_tasks.FAMILIES
 ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandbox's levels, strongest first
 # What ``--env NAME`` changes from the defaults, unless the file or the flags set it: the built-in agent
 # model and sizes that train it on a 2-core CPU
 ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,
                          "max_new_tokens": 48, "beta": 0.0, "eval_size": 100, "save_every": 10}}
-OBJECTIVES = ("grpo", "sft", "experience")
 # What ``--objective sft`` (``localrl sft``) changes from the defaults, unless the file or the flags set it. Its
 # learning rate stays the default (2e-3, sized for the built-in models: tiny-shell 25% -> 77% held-out in 30
 # steps; 5e-4 reached 51%); a real model wants less (SmolLM2-135M was warm-started at 5e-4).
 OBJECTIVE_PRESETS = {"sft": {"env": "shell"}}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
+
+
+def _environment_names() -> list[str]:
+    from localrl.envs import environments  # (registered environments: the built-in ones and any a user added)
+
+    return environments.names()
+
+
+def _environment_known(name: str) -> bool:
+    return ":" in name or name in _environment_names()
 
 
 def _f(default: Any, help: str) -> Any:
@@ -272,7 +280,8 @@ class TrainConfig:
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
-            ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
+            ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
+                                                         "package.module:function)"),
             ("objective", self.objective != "experience" or not (self.env or self.markovian_chunk),
              "experience is for single-turn tasks without markovian_chunk"),
             ("experience_size", self.experience_size >= 1, "must be at least 1"),
@@ -282,7 +291,8 @@ class TrainConfig:
             ("experience_judge_tokens", self.experience_judge_tokens >= 1, "must be at least 1"),
             ("objective", self.objective != "sft" or bool(self.env),
              "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
-            ("env", self.env in ENVIRONMENTS, f"must be empty or one of {', '.join(e for e in ENVIRONMENTS if e)}"),
+            ("env", not self.env or _environment_known(self.env),
+             f"must be empty or one of {', '.join(_environment_names())} (or package.module:function)"),
             ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
             *[(name, not self.env or getattr(self, name) == FIELDS[name].default,
                "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",

@@ -80,10 +80,6 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
     return {**out, "samples": shown} if samples else out
 
 
-def _setting(cfg) -> str:
-    return f"in the {cfg.env} environment" if cfg.env else f"on single-turn prompts ({cfg.data})"
-
-
 def experience_of(run: str | Path | None, experience: str | Path | None = None):
     """The experience library to evaluate with: ``experience`` (a run directory, an experience.json or a
     .txt of lessons), else that of ``run`` when it is a training-free GRPO run, else None."""
@@ -98,56 +94,47 @@ def experience_of(run: str | Path | None, experience: str | Path | None = None):
 def evaluate_policy(cfg, run: str | Path | None = None,
                     progress: Callable[[int, int], None] | None = None, samples: int = 3,
                     experience: str | Path | None = None) -> dict:
-    """Held-out greedy accuracy of a run's newest adapter (``run``) or of ``cfg.model`` on ``cfg``'s
-    task and rewards: {"model": what was evaluated, "accuracy", "reward_mean", "n", "samples"}; with
-    ``cfg.env``, the success rate of greedy episodes on the environment's held-out tasks, per family too. A
-    training-free GRPO run is evaluated with its experience library's lessons in the system message, and any
-    model with ``experience``'s (a run directory, an experience.json or a .txt of lessons)."""
+    """Held-out figures of a run's newest adapter (``run``) or of ``cfg.model``, through the sampler ``cfg``
+    selects, exactly as the run's own evaluations have them (the same decoding: Markovian traces, episodes in
+    the environment, llama.cpp's greedy decoding of a run that sampled with it): {"model": what was
+    evaluated, "accuracy", "reward_mean", "n", ..., "samples"}. A training-free GRPO run is evaluated with its
+    experience library's lessons in the system message, and any model with ``experience``'s (a run
+    directory, an experience.json or a .txt of lessons)."""
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
-    from localrl.rewards import config_rewards
     from localrl.runs import Run
-    from localrl.tasks import load_task, system_prompt
+    from localrl.samplers import ModelInfo, sampler_for
 
     cfg.validate()
+    sampler = sampler_for(cfg)(cfg)
     if run is not None:  # an adapter is evaluated on what it was trained for, or the number means nothing
         trained = Run.open(run).read_config()
-        if trained.env != cfg.env:
-            raise UserError(f"eval {run}: the run was trained {_setting(trained)}; evaluating it {_setting(cfg)} "
-                            f"measures nothing it learned (leave --env as the run had it)", field="env")
-    library = None
+        was = sampler_for(trained)(trained)
+        if (trained.env, type(was)) != (cfg.env, type(sampler)):
+            raise UserError(f"eval {run}: the run was trained {was.describe_eval()}; evaluating it "
+                            f"{sampler.describe_eval()} measures nothing it learned (leave --env and "
+                            f"markovian_chunk as the run had them)", field="env")
     if cfg.env and experience:
         raise UserError("eval --experience: an experience library is for single-turn tasks (not env)")
-    if cfg.env:
-        from localrl.agent_train import env_setup, evaluate_episodes
-
-        setup = env_setup(cfg)
-        if not setup.held_out:
-            raise UserError(f"env_tasks {cfg.env_tasks}: no held-out tasks to evaluate on", field="env_tasks")
-    else:
-        rewards, weights = config_rewards(cfg)
-        task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system_prompt(cfg.system_prompt, cfg.model,
-                                                                                cfg.calibration_weight > 0))
-        if not task.held_out:
-            raise UserError(f"data {cfg.data}: no held-out rows to evaluate on (eval_size is {cfg.eval_size}; "
-                            f"pass --eval-size N)", field="eval_size")
-        library = experience_of(run, experience)
-        if library is not None:  # a training-free GRPO run: the lessons it learned, as it gave them
-            task.system = library.system(task.system)
     device = pick_device(cfg.device)
+    path, config = load_config(cfg.model)
+    tok = load_tokenizer(path)
+    plan = sampler.prepare(ModelInfo(path, config, tok, getattr(config, "max_position_embeddings", None), device)
+                           if run is not None else None)
+    sampler.require_held_out()
+    library = None if cfg.env else experience_of(run, experience)
     in_4bit = default_4bit(cfg.quantize, device)
     if run is not None:
         model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)
         what = f"{run} ({ckpt.name})"
     else:
-        path, _ = load_config(cfg.model)
-        model, tok, what = load_base(path, in_4bit, device), load_tokenizer(path), cfg.model
-    if library is not None:
+        model, what = load_base(path, in_4bit, device), cfg.model
+    if library is not None:  # a training-free GRPO run: the lessons it learned, as it gave them
         what += f" with the {len(library.lessons)} lessons of {experience or 'its experience library'}"
-    if cfg.env:
-        context = getattr(model.config, "max_position_embeddings", None) or 2048
-        result = evaluate_episodes(model, tok, setup, cfg, stop_token_ids(tok, model), context, progress,
-                                   cfg.eval_batch_size, samples)
-    else:
-        result = evaluate(model, tok, task.held_out, rewards, weights, cfg.max_new_tokens, cfg.eval_batch_size,
-                          progress, task.system, samples)
+    if run is not None and plan.backend != "torch":  # as the run decoded: its sampler's backend
+        sampler.start(model, tok, None)
+    try:
+        result = sampler.evaluate(model, tok, progress, cfg.eval_batch_size,
+                                  library.system if library is not None else (lambda s: s), samples)
+    finally:
+        sampler.close()
     return {"model": what, **result}

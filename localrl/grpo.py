@@ -29,13 +29,15 @@ from localrl.rollout import Rollout
 
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
-           entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None) -> dict:
+           entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None,
+           max_len: int | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update.
     ``reward_rows``: for a rollout whose rows are not the rewarded completions themselves (Markovian
-    chunks), the reward each row takes its advantage from."""
+    chunks), the reward each row takes its advantage from; ``max_len``: the longest a row can be (dr_grpo's
+    constant; default ``max_new_tokens``)."""
     w = world()
     # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
     everyone = w.gather(rewards.tolist())
@@ -51,7 +53,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
     stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,
-                      entropy_coef)
+                      entropy_coef, max_len)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
 
@@ -144,14 +146,16 @@ def row_slices(n: int, size: int) -> list[slice]:
 
 def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
               micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None,
-              reference: Reference | None = None, entropy_coef: float | None = None) -> dict:
+              reference: Reference | None = None, entropy_coef: float | None = None, max_len: int | None = None
+              ) -> dict:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights;
     ``reference``: the KL reference (default: the base); ``entropy_coef``: the bonus's coefficient this step
-    (default ``cfg.entropy_coef``; ``EntropyControl`` decides it under adaptive control)."""
+    (default ``cfg.entropy_coef``; ``EntropyControl`` decides it under adaptive control); ``max_len``: the
+    longest a row can be, dr_grpo's constant (default ``cfg.max_new_tokens``)."""
     device = next(model.parameters()).device
     w = world()  # under torchrun: this rank's rows, and collectives that make the step the global batch's
-    n, = w.sum(loss_normalizer(cfg.loss_type, rollout.trained_mask, cfg.max_new_tokens))  # of the whole batch
+    n, = w.sum(loss_normalizer(cfg.loss_type, rollout.trained_mask, max_len or cfg.max_new_tokens))  # whole batch
     settings = LossSettings.of(cfg)
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef

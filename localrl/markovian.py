@@ -10,7 +10,8 @@ thinks. The reward reads the whole trace (every chunk's tokens in order).
 For the update each chunk is one row: its context as the prompt, its tokens as the completion, the
 trace's advantage as its advantage; every chunk's tokens are trained in exactly the context they were
 sampled in. The rows go through the same ``grpo_step`` (and prompt-cache forward) as ordinary
-completions, each chunk weighted as one sequence by the loss type (``dr_grpo`` divides by C).
+completions, each chunk weighted as one sequence by the loss type (``dr_grpo`` divides by C). The
+sampler that does this in a run is ``localrl.samplers.markovian``.
 
 Deliberate simplifications: each trace's chunks are prefilled afresh (no cache carried across a
 boundary, which the rebuilt context forbids anyway), the torch sampler only, one process.
@@ -18,15 +19,11 @@ boundary, which the rebuilt context forbids anyway), the torch sampler only, one
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from localrl.config import TrainConfig
-from localrl.grpo import step_record, update
-from localrl.rewards import combine, reward_names, score
-from localrl.rollout import Rollout, encode_prompts, group_generators, left_pad, sample_groups
+from localrl.rollout import Rollout, group_generators, left_pad, sample_groups
 
 
 @dataclass
@@ -99,34 +96,3 @@ def trace_rollout(chunks: Chunks, prompts: list[list[int]], group_size: int, pad
         ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         mask[i, :len(t)] = 1
     return Rollout(prompt_ids, prompt_mask, ids, mask, chunks.truncated, group_size)
-
-
-def markovian_step(model, tok, optimizer, task, step: int, cfg: TrainConfig, reward_fns, weights, stops: list[int],
-                   budget=None, reference=None, entropy_coef: float | None = None) -> dict:
-    """One GRPO step in Markovian mode: sample B x G traces in chunks, score the whole traces, give each chunk
-    its trace's group-relative advantage, update on the chunks in their own contexts."""
-    from localrl.evaluate import columns_of
-    from localrl.rollout import completion_token_ids, decode_completions
-
-    t0 = time.time()
-    seed = cfg.seed * 1_000_003 + step
-    model.eval()
-    rows = task.sample(step, cfg.prompts_per_step, cfg.seed)
-    prompts = encode_prompts(tok, rows, task.system)
-    chunks = sample_markovian(model, prompts, cfg.group_size, cfg.markovian_chunk, cfg.markovian_carry,
-                              cfg.max_new_tokens, stops, tok.pad_token_id, cfg.temperature, seed)
-    t_gen = time.time() - t0
-    whole = trace_rollout(chunks, prompts, cfg.group_size, tok.pad_token_id)
-    columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(whole)}
-    scores = score(reward_fns, decode_completions(tok, whole), columns)
-    rewards = torch.tensor(combine(scores, weights), dtype=torch.float64)  # [B*G]
-    rollout = chunks.rollout
-    chunk_cfg = replace(cfg, max_new_tokens=cfg.markovian_chunk)  # (dr_grpo's constant: a chunk's length)
-    stats = update(model, optimizer, rollout, rewards, chunk_cfg, step, budget, None, reference, entropy_coef,
-                   reward_rows=chunks.trace)  # each chunk with its trace's advantage
-    record = step_record(step, rewards, scores, reward_names(reward_fns), stats,
-                         [len(t) for t in chunks.traces],  # of whole traces
-                         chunks.truncated.float().mean().item(), t0, t_gen, optimizer.param_groups[0]["lr"],
-                         next(model.parameters()).device)
-    return {**record, "chunks_per_trace": rollout.completion_ids.size(0) / len(chunks.traces),
-            "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max())}

@@ -87,3 +87,26 @@ class HackingMonitor:
                 f"{where} while the check reward, which is never trained on, fell from {checks[0]:.3g} to "
                 f"{checks[-1]:.3g}; look at sample completions (localrl eval RUN_DIR) before trusting the "
                 f"training reward")
+
+
+FLAT_STEPS_WARNING = 3  # consecutive steps without a learning signal before the run says so
+
+
+def no_signal_message(record: dict, steps: int, temperature: float) -> tuple[str, str]:
+    """(kind, text) when every group's completions scored alike for ``steps`` steps: a "note" when every
+    completion solved its task (success: the data is learned), else a "warning" saying why nothing is learned."""
+    reward, solved = record["reward_mean"], record.get("accuracy")
+    if solved == 1:
+        return "note", (f"every group solved for {steps} steps: the model has learned this data; consider harder "
+                        f"data or stopping")
+    if reward == 0 or solved == 0:
+        cause = ("every completion failed: the model may never give an answer the reward can read "
+                 "(check the answer format and system_prompt, the reward, and `localrl eval` samples), or the "
+                 "task is too hard for it")
+    else:
+        cause = (f"each group's completions scored alike ({reward:.3g} on average, {solved:.0%} solved): some "
+                 f"tasks are always solved and the others never; sampling may be too cold (temperature "
+                 f"{temperature:g}) or the data too uneven for this model")
+    if record["truncated"] > 0.5:
+        cause += f"; {record['truncated']:.0%} of completions hit max_new_tokens, so raise it"
+    return "warning", f"no learning signal for {steps} steps: {cause}"

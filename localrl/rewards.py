@@ -18,16 +18,12 @@ overlong punishment (``overlong_punishment``) can be written and reused from TRL
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
-import sysconfig
-import traceback
-from pathlib import Path
 from typing import Callable
 
 from localrl.calibration import TRAILING_CONFIDENCE, brier_penalty
-from localrl.errors import UserError
+from localrl.errors import UserError, failure_line, user_callable
 
 RewardFn = Callable[..., list[float]]
 
@@ -158,39 +154,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "regex": regex_match,
     "format": format_reward,
 }
-
-
-_LIBRARY_PATHS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-                       | {str(Path(__file__).parent)})  # Python's, installed packages' and localrl's code
-
-
-def failure_line(e: BaseException) -> str:
-    """A user's code failing, in one line: the exception's type, the first line of its message, and where it was
-    raised (file:line; a syntax error's own place)."""
-    if isinstance(e, SyntaxError):
-        message, where = e.msg, f"{Path(e.filename or '?').name}:{e.lineno}"
-    else:
-        frames = traceback.extract_tb(e.__traceback__)
-        frames = [f for f in frames if not f.filename.startswith(_LIBRARY_PATHS)] or frames  # the user's own line
-        message, where = str(e), f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-    line = f"{type(e).__name__}: {message}".strip().splitlines()[0]
-    return f"{line} ({where})" if where else line
-
-
-def user_callable(spec: str, what: str, field: str) -> Callable:
-    """The function a user names as ``package.module:function`` (``what``: what it is for, in errors; ``field``:
-    the config field that names it). A module that cannot be found or lacks the function, or that fails as it
-    is imported (a syntax error, an exception, sys.exit), stops the run in one line."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"{what} {spec!r}: cannot import it ({e})", field=field) from None
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's module, failing at import
-        raise UserError(f"{what} {spec!r}: importing {module_name} failed: {failure_line(e)}", field=field) from None
-    if not callable(fn):
-        raise UserError(f"{what} {spec!r}: not a callable", field=field)
-    return fn
 
 
 def resolve_reward(spec: str) -> RewardFn:

@@ -9,25 +9,21 @@ would hold it (``episode_tokens``: the chat template's tokens between turns, the
 where it would sample them), and minimises the negative log-likelihood of the agent's tokens,
 averaged over all agent tokens of the step (so the micro-batch size does not change the gradient).
 
-``localrl sft`` runs it as an ordinary run (checkpoints, resume, held-out episodes before and
+The step itself is the ``sft`` objective (``localrl.objectives.sft``). ``localrl sft`` runs it as an ordinary run (checkpoints, resume, held-out episodes before and
 after); ``localrl train --init-adapter RUN`` then starts GRPO from its adapter.
 """
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from localrl.agent_rollout import TurnFormat
-from localrl.agent_train import EnvSetup, task_seeds
 from localrl.config import TrainConfig
-from localrl.envs.shell import solve
-from localrl.errors import UserError
-from localrl.grpo import batch_plan, row_slices
-from localrl.memory import peak_memory_mb
+from localrl.envs import EnvSetup
+from localrl.grpo import row_slices
 from localrl.prompt_cache import ConcatForward
 from localrl.rollout import Rollout, left_pad
 
@@ -42,11 +38,11 @@ class Demo:
 
 
 def expert_demos(setup: EnvSetup, seeds: list[int], workers: int = 8) -> list[Demo]:
-    """The expert's episode of each seed's training task, played in the sandbox (``workers`` at once)."""
+    """The expert's episode of each seed's training task, played in the environment (``workers`` at once)."""
     def play(seed: int) -> Demo:
         env = setup.make_env()
         try:
-            reward, turns = solve(env, seed)
+            reward, turns = setup.expert(env, seed)
             return Demo(env.task.instruction, turns, reward)
         finally:
             env.close()
@@ -122,40 +118,3 @@ def nll_step(model, optimizer, rollout: Rollout, cfg: TrainConfig, micro_batch: 
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
     optimizer.step()
     return total
-
-
-def sft_step(model, tok, optimizer, setup: EnvSetup, step: int, cfg: TrainConfig, stops: list[int],
-             budget=None) -> dict:
-    """One warm-start step on the expert episodes of ``step``'s tasks (a pure function of (seed, step));
-    returns its metrics record."""
-    t0 = time.time()
-    demos = expert_demos(setup, task_seeds(cfg, step), cfg.env_workers)
-    kept = [d for d in demos if d.reward == 1.0]
-    if not kept:
-        raise UserError(f"step {step + 1}: no expert solution of this step's {len(demos)} tasks passes its check "
-                        f"(for example {demos[0].instruction!r}); warm starts need tasks whose solution solves them")
-    t_env = time.time() - t0
-    fmt = TurnFormat(tok, setup.system)
-    rollout = demo_rollout(fmt, kept, end_of_turn(fmt, stops))
-    micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
-    loss = nll_step(model, optimizer, rollout, cfg, micro_batch, logits_chunk)
-    elapsed = time.time() - t0
-    tokens = int(rollout.trained_mask.sum())
-    device = next(model.parameters()).device
-    return {
-        "kind": "train",
-        "objective": "sft",
-        "step": step + 1,
-        "loss": loss,
-        "demos": len(kept),
-        "demos_failed": len(demos) - len(kept),  # expert episodes the verifier did not score 1 (left out)
-        "turns": sum(len(d.turns) for d in kept) / len(kept),
-        "completion_len": tokens / len(kept),
-        "tokens_per_s": tokens / max(elapsed, 1e-9),
-        "env_s": round(t_env, 3),
-        "step_s": round(elapsed, 3),
-        "lr": optimizer.param_groups[0]["lr"],
-        "micro_batch": micro_batch or len(kept),
-        "peak_mem_mb": peak_memory_mb(device),
-        "isolation": setup.isolation,
-    }

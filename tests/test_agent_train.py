@@ -75,20 +75,22 @@ def test_names_it_never_saw_are_read_as_well_as_names_it_trained_on(trained_agen
     side do about as well (the agent reads names from the task; it does not recall them)."""
     from dataclasses import replace
 
-    from localrl.agent_train import env_setup, evaluate_episodes
     from localrl.envs.shell_tasks import held_out_tasks
     from localrl.modeling import pick_device
     from localrl.rollout import stop_token_ids
     from localrl.runs import Run
+    from localrl.samplers.episodes import Episodes
 
     run = Run.open(trained_agent.run_dir)
     cfg = run.read_config()
     model, tok, _ = run.load_adapter(pick_device("cpu"), False, cfg)
-    setup = env_setup(cfg)
+    sampler = Episodes(cfg)
+    sampler.prepare(None)
+    setup, sampler.context = sampler.setup, 512
     success = {}
     for names in ("seen", "unseen"):
-        held = replace(setup, held_out=held_out_tasks(45, names=names))
-        success[names] = evaluate_episodes(model, tok, held, cfg, stop_token_ids(tok, model), 512)["accuracy"]
+        sampler.setup = replace(setup, held_out=held_out_tasks(45, names=names))
+        success[names] = sampler.evaluate(model, tok, stops=stop_token_ids(tok, model))["accuracy"]
     assert success["unseen"] == trained_agent.eval_after["accuracy"]  # the run's own figure is the unseen one
     assert abs(success["seen"] - success["unseen"]) <= 0.15, success  # measured here: seen 80.0%, unseen 75.6%
 

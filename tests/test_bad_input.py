@@ -560,7 +560,7 @@ def test_a_working_verifier_passes_the_preflight(audit_dir, monkeypatch):
     (audit_dir / "verifiers.py").write_text(VERIFIERS)
     monkeypatch.syspath_prepend(str(audit_dir))
     pre = preflight(build_config(None, {"env": "shell", "env_tasks": "verifiers:fine", "run_dir": "run"}))
-    assert pre.env is not None and not (audit_dir / "run").exists()
+    assert pre.sampler.setup is not None and not (audit_dir / "run").exists()
 
 
 def test_an_experience_library_that_is_not_utf8_is_one_line(audit_dir, capsys):

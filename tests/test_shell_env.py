@@ -196,10 +196,10 @@ def test_tasks_from_a_python_callable(tmp_path, monkeypatch):
 
 
 def test_a_curriculum_restricts_training_tasks_but_not_the_held_out_set():
-    from localrl.agent_train import env_setup
     from localrl.config import build_config
+    from localrl.envs import environment_for
 
-    setup = env_setup(build_config(None, {"env": "shell", "env_levels": "1", "env_families": "count,edit",
+    setup = environment_for(build_config(None, {"env": "shell", "env_levels": "1", "env_families": "count,edit",
                                           "eval_size": 30}))
     drawn = [setup.train(seed) for seed in range(60)]
     assert {t.level for t in drawn} == {1} and {t.family for t in drawn} == {"count", "edit"}

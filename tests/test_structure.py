@@ -94,6 +94,25 @@ def test_import_arrows_point_down():
     assert graph["localrl.models"] == set()
 
 
+PLUGIN_PACKAGES = ("localrl.objectives", "localrl.samplers", "localrl.envs")
+
+
+def test_the_loop_reaches_plugins_only_through_their_registries():
+    """The loop imports the plug-in packages' registries and protocols, never a plug-in module; no plug-in
+    imports the loop, the CLI or the UI; a sampler never imports an objective (objectives drive samplers)."""
+    graph = import_graph()
+    plugin_modules = {m for m in graph if m.startswith(tuple(p + "." for p in PLUGIN_PACKAGES))}
+    assert plugin_modules >= {"localrl.objectives.grpo", "localrl.samplers.completions", "localrl.envs.shell"}
+    assert not graph["localrl.trainer"] & plugin_modules, graph["localrl.trainer"] & plugin_modules
+    for m in plugin_modules | set(PLUGIN_PACKAGES):
+        above = {d for d in graph[m] if d.startswith(("localrl.trainer", "localrl.cli", "localrl.tui"))}
+        assert not above, f"{m} imports {above}"
+        if m.startswith("localrl.samplers"):
+            assert not {d for d in graph[m] if d.startswith("localrl.objectives")}, m
+    for package in PLUGIN_PACKAGES:  # the registries' own modules stay light: nothing of a plug-in's
+        assert not graph[package] & plugin_modules, package
+
+
 def test_run_directory_names_are_spelled_only_in_runs_py():
     offenders = [f"{path.relative_to(ROOT)}: {name}" for path in modules().values() if path.name != "runs.py"
                  for name in RUN_FILE_NAMES if name in path.read_text()]

@@ -152,7 +152,7 @@ def test_a_saved_checkpoint_restores_the_trained_adapter_exactly(builtin_model, 
     from localrl.rewards import default_rewards
     from localrl.rollout import stop_token_ids
     from localrl.tasks import load_task
-    from localrl.trainer import train_step
+    from localrl.objectives.grpo import step_on_task
 
     cfg = small(tmp_path / "run", steps=2)
     device = pick_device("cpu")
@@ -166,7 +166,7 @@ def test_a_saved_checkpoint_restores_the_trained_adapter_exactly(builtin_model, 
 
     model, tok, optimizer = fresh()
     for step in range(2):
-        train_step(model, tok, optimizer, task, step, cfg, rewards, weights, stop_token_ids(tok, model))
+        step_on_task(model, tok, optimizer, task, step, cfg, rewards, weights, stop_token_ids(tok, model))
     run = Run(tmp_path / "run")
     run.save_checkpoint(2, model, optimizer)
 
@@ -249,7 +249,7 @@ def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(b
     assert all(0.9 < r["is_weight"] <= 1.1 for r in records)
     status = next(r for r in read_metrics(Run(full.run_dir).metrics_path) if r["kind"] == "status")
     assert "rollouts: llama.cpp" in status["message"]
-    by_torch = evaluate_policy(small(tmp_path / "unused", eval_size=20), run=full.run_dir, samples=0)
+    by_torch = evaluate_policy(small(tmp_path / "unused", eval_size=20, rollout="torch"), run=full.run_dir, samples=0)
     assert full.eval_after["accuracy"] == by_torch["accuracy"] and full.eval_after["n"] == 20
     assert full.eval_after["reward_mean"] == pytest.approx(by_torch["reward_mean"])
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localrl.agent import parse_tool_calls
-from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, sample_tasks
-from localrl.errors import UserError
-from localrl.rewards import failure_line
-from localrl.sandbox import Sandbox
+from localrl.envs import EnvSetup, environments, task_list
+from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks,
+                                      load_tasks, sample_tasks)
+from localrl.errors import UserError, failure_line
+from localrl.sandbox import Sandbox, level_works, strongest_level
 
 TaskSource = Callable[[int], ShellTask]  # seed -> task
 WORKDIR_PREFIX = "localrl-shell-"  # then the owning process's pid: stale ones are swept
@@ -37,11 +38,6 @@ def generated_tasks(held_out: bool = False, families: Sequence[str] = FAMILIES,
                     levels: Sequence[int] = LEVELS) -> TaskSource:
     """Seed -> a generated task from one side of the held-out split."""
     return lambda seed: sample_tasks(random.Random(seed), 1, held_out, tuple(families), tuple(levels))[0]
-
-
-def task_list(tasks: Sequence[ShellTask]) -> TaskSource:
-    """Seed -> one of a fixed list of tasks (a user's, or the held-out set)."""
-    return lambda seed: tasks[seed % len(tasks)]
 
 
 @dataclass
@@ -214,3 +210,51 @@ def expert_answer(last_observation: str, task: ShellTask) -> str:
         return "<answer>done</answer>"
     lines = [line for line in last_observation.splitlines() if not line.startswith("[")]
     return f"<answer>{lines[-1].strip() if lines else ''}</answer>"
+
+
+@environments.register("shell")
+def shell_environment(cfg) -> EnvSetup:
+    """The sandboxed shell: the built-in task generator (``env_families``, ``env_levels``) or the user's tasks
+    (``env_tasks``: a JSONL file or module:function, whose verifiers are probed here), the strongest sandbox
+    isolation that works (or ``isolation``'s, checked), the agent's system message."""
+    from localrl.agent import system_message
+    from localrl.agent_session import agent_system
+    from localrl.config import split_list
+
+    if cfg.isolation == "auto":
+        isolation = strongest_level()
+    elif not level_works(cfg.isolation):
+        raise UserError(f"config field isolation: {cfg.isolation} does not work on this machine", field="isolation")
+    else:
+        isolation = cfg.isolation
+    system = agent_system(cfg.system_prompt, cfg.model)  # an agent session's, naming no directory nor approver
+    system = system_message(None, approvals=False)["content"] if system == "" else system
+
+    def factory(tasks: TaskSource) -> ShellEnv:
+        return ShellEnv(tasks, cfg.max_turns, cfg.env_timeout, isolation)
+
+    common = dict(factory=factory, system=system, details={"isolation": isolation},
+                  describe=f"sandbox isolation: {isolation}", expert=solve)
+    if not cfg.env_tasks:
+        families = tuple(split_list(cfg.env_families)) or FAMILIES
+        levels = tuple(int(lv) for lv in split_list(cfg.env_levels)) or LEVELS
+        train = generated_tasks(False, families, levels)
+        return EnvSetup(train, held_out_tasks(cfg.eval_size), expert_tasks=lambda: train, **common)
+    tasks = load_tasks(cfg.env_tasks)
+    if not cfg.env_tasks.endswith(".jsonl"):  # a file's checks are data, checked as it loads
+        probe_verifiers(cfg.env_tasks, tasks, isolation, cfg.env_timeout)
+    held = [t for t in tasks if t.is_held_out()]
+    train_tasks = [t for t in tasks if not t.is_held_out()] or tasks
+
+    def with_solutions() -> TaskSource:  # a warm start learns from the solutions
+        solved = [t for t in train_tasks if t.solution]
+        if not solved:
+            raise UserError(f"config field env_tasks: {cfg.env_tasks}: no training task has a \"solution\" (the "
+                            f"expert's commands) for sft to learn from", field="env_tasks")
+        return _draw(solved)
+
+    return EnvSetup(_draw(train_tasks), held[:cfg.eval_size], expert_tasks=with_solutions, **common)
+
+
+def _draw(tasks: list[ShellTask]) -> TaskSource:
+    return lambda seed: tasks[random.Random(seed).randrange(len(tasks))]

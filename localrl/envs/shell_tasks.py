@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.config import SHELL_FAMILIES
-from localrl.errors import UserError
-from localrl.rewards import exact_match, failure_line, numeric_match, user_callable
+from localrl.errors import UserError, failure_line, user_callable
+from localrl.rewards import exact_match, numeric_match
 from localrl.tasks.jsonl import json_objects
 
 FAMILIES = SHELL_FAMILIES

@@ -1,0 +1,102 @@
+"""Objectives: what a training step optimises. The loop (``localrl.trainer.train``) owns the run (its
+directory, resume, evaluations, checkpoints, signals, ranks, monitors, metrics) and asks the objective
+named by ``cfg.objective`` for everything else:
+
+    objective = objectives.get(cfg.objective)(cfg)
+    objective.check(world)                      # settings, and what it refuses under torchrun
+    objective.preflight(info, sampler, plan)    # before weights load: another model it needs, if any
+    objective.setup(ctx, state)                 # after the model (and a checkpoint's extra state) loaded
+    record = objective.step(ctx, step, tokens)  # one step: a metrics record {"kind": "train", "step": ...}
+    objective.after_step(ctx, step, record)     # the record pooled over ranks: controllers, files
+    objective.state()                           # extra state every checkpoint keeps
+    objective.summary(record)                   # one line for the progress bar and the terminal UI
+
+An objective samples through ``ctx.sampler`` (``localrl.samplers``: prompt completions, Markovian traces,
+multi-turn episodes), so one objective runs over every sampler: GRPO on prompts, on Markovian traces and
+on an environment's episodes is one objective. Everything a step needs comes in ``StepContext`` and the
+arguments; the config is never rewritten to carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from localrl.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from localrl.config import TrainConfig
+    from localrl.distributed import World
+    from localrl.memory import JudgeLoad, MemoryBudget
+    from localrl.runs import Run
+    from localrl.samplers import ModelInfo, Plan, Sampler
+
+objectives = Registry("objective", "objective", "localrl.objectives")
+
+
+@dataclass
+class StepContext:
+    """What a run hands its objective: built once by the loop, after the model loaded."""
+
+    cfg: TrainConfig
+    model: Any  # the policy (a peft model)
+    tok: Any
+    optimizer: torch.optim.Optimizer
+    sampler: Sampler
+    budget: MemoryBudget  # the run's memory plan (micro-batches, rollout chunks)
+    stops: list[int]  # token ids that end a completion
+    world: World
+    run: Run
+    device: torch.device
+    extra_model_path: str = ""  # the frozen model the objective's preflight asked for ("" : none)
+    log: Any = print
+
+
+class Objective:
+    """The base of an objective: every hook but ``step`` has a default that does nothing."""
+
+    rows_per_prompt: int | None = None  # completions a step trains per prompt (None: group_size), for the planner
+    sample_rewards = True  # whether its records carry the sampler's rewards (and their shares)
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def check(self, world: World) -> None:
+        """Refuse settings it cannot run with, in one line naming the field (torchrun included)."""
+
+    def preflight(self, info: ModelInfo, sampler: Sampler, plan: Plan) -> tuple[str, JudgeLoad | None]:
+        """Before weights load, after the sampler's preflight (``plan``): another model it needs (its resolved
+        path, "" for none) and that model's memory, which the run's plan then holds."""
+        return "", None
+
+    def setup(self, ctx: StepContext, state: dict) -> None:
+        """After the model loaded; ``state``: what ``state()`` returned at the checkpoint resumed from ({} new)."""
+
+    def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        """One step (0-based ``step``; ``tokens``: this step's completion budget); its metrics record."""
+        raise NotImplementedError
+
+    def after_step(self, ctx: StepContext, step: int, record: dict) -> None:
+        """After the ranks' records are pooled, before the record is written: may add to it."""
+
+    def state(self) -> dict:
+        """Extra state a checkpoint keeps, handed back to ``setup`` on resume."""
+        return {}
+
+    def system(self, base: str | None) -> str | None:
+        """The system message sampling and evaluation use, given the task's."""
+        return base
+
+    def summary(self, record: dict) -> str:
+        """A step in one line (the progress bar's, the terminal UI's)."""
+        kl = "" if record.get("kl") is None else f"  kl {record['kl']:.4f}"
+        if "reward_mean" not in record:
+            return f"loss {record.get('loss', 0.0):.4f}"
+        return f"reward {record['reward_mean']:.3f}  acc {record.get('accuracy', 0.0):.1%}{kl}"
+
+
+def objective_for(cfg: TrainConfig) -> Objective:
+    """The configured objective, made for ``cfg``."""
+    return objectives.get(cfg.objective)(cfg)

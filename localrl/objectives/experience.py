@@ -1,0 +1,118 @@
+"""Training-free GRPO as an objective (the library, its edits and the judge are ``localrl.experience``): each
+step samples and scores the groups of its prompts with the library's lessons in the system message, then
+lets the judge edit the library after each group whose completions part into right and wrong. No weight
+changes. The library is the run's state: written after every step, kept with every checkpoint, and given
+to the model in every evaluation (``system``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from localrl.errors import UserError
+from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
+                                initial_library, judge_load, judge_request, parse_edits, question_text, reply_start)
+from localrl.grpo import step_record
+from localrl.objectives import Objective, StepContext, objectives
+
+
+@objectives.register("experience")
+class Experience(Objective):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.library: ExperienceLibrary | None = None
+        self.judge: Judge | None = None
+
+    def check(self, w) -> None:
+        if w.distributed:
+            raise UserError(f"config field objective: experience keeps one library in one process; launch it "
+                            f"without torchrun (this launch has {w.size} ranks)", field="objective")
+        if self.cfg.dynamic_sampling:
+            raise UserError("config field dynamic_sampling: experience judges each step's groups as sampled (not "
+                            "with objective experience)", field="dynamic_sampling")
+
+    def preflight(self, info, sampler, plan):
+        """The library to start from must read; the judge (the policy model, or ``experience_judge``) must hold a
+        request and its reply; its weights and replies are in the run's memory plan."""
+        from localrl.memory import ModelShape, check_conversion, frozen_bytes
+        from localrl.modeling import check_weights, default_4bit, load_config, load_tokenizer
+
+        cfg = self.cfg
+        try:
+            initial_library(cfg.experience_size, cfg.experience_init)
+        except UserError as e:
+            raise UserError(f"config field experience_init: {e}", field="experience_init") from None
+        shape = ModelShape.from_config(info.config)
+        if not cfg.experience_judge:
+            check_judge_fits(info.tok, info.context, cfg.max_new_tokens, cfg.experience_judge_tokens,
+                             f"the policy model {cfg.model} (the judge while experience_judge is empty)")
+            return "", judge_load(cfg, info.tok, info.context, shape, 0, plan.longest_prompt)
+        check_conversion(cfg, cfg.experience_judge, info.device)
+        try:
+            path, config = load_config(cfg.experience_judge)
+        except UserError as e:
+            raise UserError(f"config field experience_judge: {e}", field="experience_judge") from None
+        check_weights(path)
+        judge_tok, judge_context = load_tokenizer(path), getattr(config, "max_position_embeddings", None)
+        check_judge_fits(judge_tok, judge_context, cfg.max_new_tokens, cfg.experience_judge_tokens,
+                         f"the judge {cfg.experience_judge}")
+        judge_shape = ModelShape.from_config(config)
+        weights = frozen_bytes(judge_shape, default_4bit(cfg.quantize, info.device), info.device)
+        return path, judge_load(cfg, judge_tok, judge_context, judge_shape, weights, plan.longest_prompt)
+
+    def setup(self, ctx: StepContext, state: dict) -> None:
+        """The library (a checkpoint's, or the one to start from) and the judge: the policy model itself, or the
+        ``experience_judge`` model (frozen, no adapter)."""
+        from localrl.modeling import default_4bit, load_base, load_tokenizer
+
+        cfg = self.cfg
+        self.library = initial_library(cfg.experience_size, cfg.experience_init)
+        if "experience" in state:  # the library the checkpoint's step had
+            self.library = replace(ExperienceLibrary.from_state(state["experience"]), capacity=cfg.experience_size)
+        at_once = ctx.budget.judge_requests()  # as many requests at a time as the memory budget holds
+        if not ctx.extra_model_path:
+            self.judge = Judge(ctx.model, ctx.tok, cfg.experience_judge_tokens,
+                               getattr(ctx.model.config, "max_position_embeddings", None), at_once)
+            return
+        judge = load_base(ctx.extra_model_path, default_4bit(cfg.quantize, ctx.device), ctx.device)
+        self.judge = Judge(judge, load_tokenizer(ctx.extra_model_path), cfg.experience_judge_tokens,
+                           getattr(judge.config, "max_position_embeddings", None), at_once)
+
+    def system(self, base: str | None) -> str | None:
+        return self.library.system(base) if self.library is not None else base
+
+    def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        cfg, library = self.cfg, self.library
+        t0 = time.time()
+        batch = ctx.sampler.sample(ctx, step, tokens, self.system)
+        g = cfg.group_size
+        pairs = contrasting_pairs(batch.rows, batch.texts, batch.scores[0], g)
+        requests = [judge_request(question_text(row["prompt"]), str(row["answer"]), right, wrong, library)
+                    for row, right, wrong in pairs]
+        replies = self.judge(requests, reply_start(library))
+        changed = invalid = 0
+        for reply in filter(None, replies):
+            c, i = library.apply(parse_edits(reply))
+            changed, invalid = changed + c, invalid + i
+        groups = batch.rewards.view(-1, g)
+        flat = (groups == groups[:, :1]).all(dim=1).float().mean().item()  # groups whose rewards are all alike
+        no_update = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "micro_batch": 0, "frac_reward_zero_std": flat}
+        record = step_record(step, batch.rewards, batch.scores, batch.names, no_update, batch.lengths,
+                             batch.truncated, t0, batch.gen_s, 0.0, ctx.device)
+        return {
+            **record,
+            "lessons": len(library.lessons),
+            "judged_groups": len(requests),
+            "judge_too_long": sum(r is None for r in replies),
+            "edits": changed,
+            "invalid_edits": invalid,
+            "judge_reply": next((r[:MAX_LESSON_CHARS] for r in replies if r), ""),  # the first, to see what it writes
+        }
+
+    def after_step(self, ctx: StepContext, step: int, record: dict) -> None:
+        if ctx.world.is_main:
+            self.library.save(ctx.run.experience_path)
+
+    def state(self) -> dict:
+        return {"experience": self.library.state()}

@@ -1,0 +1,68 @@
+"""GRPO over any sampler: a step samples a scored batch (prompt completions, Markovian traces or an
+environment's episodes), then updates the adapter on it (``localrl.grpo.update``: group-relative
+advantages, the clipped loss of the configured type, + beta x KL to the reference, ``num_iterations``
+AdamW steps). With beta 0, groups whose completions all scored alike are left out of the update (their
+gradient is exactly zero); a step in which every group did updates nothing.
+
+Its state through a run (checkpointed): the KL reference (TR-DPO's syncs move it) and the entropy
+controller (Skywork-OR1's adaptive coefficient).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from localrl.grpo import EntropyControl, step_record, update
+from localrl.objectives import Objective, StepContext, objectives
+from localrl.reference import Reference
+
+
+@objectives.register("grpo")
+class GRPO(Objective):
+    def setup(self, ctx: StepContext, state: dict) -> None:
+        self.reference = Reference(state.get("reference"))
+        self.entropy = EntropyControl(state.get("entropy_coef", self.cfg.entropy_coef),
+                                      state.get("last_entropy", math.inf))
+
+    def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        t0 = time.time()
+        batch = ctx.sampler.sample(ctx, step, tokens, self.system)
+        rewards = batch.rewards if batch.train_rewards is None else batch.train_rewards
+        stats = update(ctx.model, ctx.optimizer, batch.rollout, rewards, self.cfg, step, ctx.budget, batch.sampler_logp,
+                       self.reference, self.entropy.applied(self.cfg), reward_rows=batch.reward_rows,
+                       max_len=batch.max_len)
+        record = step_record(step, batch.rewards, batch.scores, batch.names, stats,  # of every completion sampled
+                             batch.lengths, batch.truncated, t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"],
+                             ctx.device)
+        return {**record, **batch.extra}
+
+    def after_step(self, ctx: StepContext, step: int, record: dict) -> None:
+        cfg = self.cfg
+        if cfg.use_adaptive_entropy:
+            record["entropy_coef"] = self.entropy.applied(cfg)
+            self.entropy.observe(record.get("entropy"), cfg)
+        if cfg.sync_ref_model and (step + 1) % cfg.ref_model_sync_steps == 0:
+            self.reference.sync(ctx.model, cfg.ref_model_mixup_alpha)
+            if cfg.reset_optimizer_on_sync:
+                ctx.optimizer.state.clear()
+            record["ref_synced"] = True
+
+    def state(self) -> dict:
+        return {"reference": self.reference.state, **self.entropy.state()}
+
+
+def step_on_task(model, tok, optimizer, task, step: int, cfg, rewards, weights, stops: list[int],
+                 budget=None) -> dict:
+    """One GRPO step on ``task``'s prompts outside a run (the benchmarks, tests): torch samples; returns the
+    step's metrics record, as a run's would be."""
+    from localrl.distributed import world
+    from localrl.samplers.completions import Completions
+
+    sampler = Completions(cfg, (rewards, weights))
+    sampler.task = task
+    ctx = StepContext(cfg, model, tok, optimizer, sampler, budget, stops, world(), None,
+                      next(model.parameters()).device)
+    objective = GRPO(cfg)
+    objective.setup(ctx, {})
+    return objective.step(ctx, step, cfg.max_new_tokens)

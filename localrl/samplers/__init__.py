@@ -1,0 +1,136 @@
+"""Samplers: where a step's scored rollouts come from, and how held-out problems are decoded.
+
+A sampler is chosen by the config, not named by it: each registered sampler says whether a config
+``selects`` it (multi-turn episodes when ``env`` is set, Markovian traces when ``markovian_chunk`` is),
+and prompt completions are the default. The run's own evaluations, ``localrl eval``, the terminal UI
+and the benchmarks all evaluate through the sampler's ``evaluate``, so one checkpoint gives one figure.
+
+    sampler = sampler_for(cfg)                    # the class; sampler_for(cfg)(cfg, rewards) the instance
+    plan = sampler.prepare(info)                  # before weights load: data, prompts against the context
+    sampler.start(model, tok, budget)             # after the model loaded (e.g. llama.cpp's copy)
+    batch = sampler.sample(ctx, step, tokens, system)    # a step's scored rollouts (``Batch``)
+    sampler.evaluate(model, tok, progress, batch_size, system)  # held-out figures
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from localrl.errors import UserError
+from localrl.registry import Registry
+
+if TYPE_CHECKING:
+    from localrl.config import TrainConfig
+    from localrl.distributed import World
+    from localrl.rewards import RewardFn
+    from localrl.rollout import Rollout
+
+samplers = Registry("sampler", "objective", "localrl.samplers")
+DEFAULT = "completions"
+
+
+@dataclass
+class ModelInfo:
+    """What preflight knows of the model without its weights."""
+
+    path: str  # its resolved directory
+    config: Any  # transformers' config
+    tok: Any
+    context: int | None  # max_position_embeddings (None: unknown)
+    device: torch.device
+
+
+@dataclass
+class Plan:
+    """What a sampler's preflight found: the memory planner's lengths and who decodes."""
+
+    longest_prompt: int  # tokens, through the chat template
+    completion_tokens: int  # the longest completion a step trains on (a trajectory, for episodes)
+    backend: str = "torch"  # who samples: "torch" or "llama.cpp"
+    why: str = ""  # the choice in words, for the run's first lines
+    extra_bytes: int = 0  # memory held all run besides the policy (llama.cpp's copy and context)
+
+
+@dataclass
+class Batch:
+    """A step's scored rollouts: what the update trains on and what the step's record reports."""
+
+    rollout: Rollout  # the rows the update trains on
+    rewards: torch.Tensor  # [completions sampled] float64, the rewards combined
+    scores: list[list[float]]  # each reward's scores of every completion sampled (the first: correctness)
+    names: list[str]  # the rewards' names
+    lengths: list[int]  # tokens of every completion sampled
+    truncated: float  # the share of completions cut off
+    gen_s: float  # seconds spent sampling
+    max_len: int  # the longest a trained row can be (dr_grpo's constant)
+    train_rewards: torch.Tensor | None = None  # the rewards of the trained completions, when a subset is trained
+    sampler_logp: torch.Tensor | None = None  # another sampler's log-probs (llama.cpp), for importance weights
+    reward_rows: torch.Tensor | None = None  # each row's completion, where rows are not completions
+    rows: list[dict] = field(default_factory=list)  # the prompts' data rows (single-turn)
+    texts: list[str] = field(default_factory=list)  # the decoded completions (single-turn)
+    extra: dict = field(default_factory=dict)  # the sampler's own fields of the step record
+
+
+class Sampler:
+    """The base of a sampler; ``prepare``, ``sample`` and ``evaluate`` are its substance."""
+
+    def __init__(self, cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None):
+        self.cfg = cfg
+
+    @classmethod
+    def selects(cls, cfg: TrainConfig) -> bool:
+        """Whether ``cfg`` asks for this sampler (the default sampler is used when none does)."""
+        return False
+
+    def check(self, world: World) -> None:
+        """Refuse settings it cannot run with (torchrun included), in one line naming the field."""
+
+    def prepare(self, info: ModelInfo | None) -> Plan:
+        """Load and check the data before any weights load (``info`` None: for evaluation only, unchecked)."""
+        raise NotImplementedError
+
+    def start(self, model, tok, budget) -> None:
+        """After the model loaded."""
+
+    @property
+    def held_out(self) -> list:
+        """The held-out problems (empty: the run evaluates nothing)."""
+        return []
+
+    @property
+    def check_name(self) -> str | None:
+        """The reward the hacking monitor reads from each record's ``rewards`` (None: no monitor)."""
+        return None
+
+    def sample(self, ctx, step: int, tokens: int, system: Callable[[str | None], str | None]) -> Batch:
+        raise NotImplementedError
+
+    def evaluate(self, model, tok, progress=None, batch_size: int = 64,
+                 system: Callable[[str | None], str | None] = lambda s: s, samples: int = 0) -> dict:
+        raise NotImplementedError
+
+    def after_step(self, record: dict) -> None:
+        """The record pooled over ranks: may add to it."""
+
+    def describe_eval(self) -> str:
+        """What ``localrl eval`` evaluates on, in words."""
+        return ""
+
+    def require_held_out(self) -> None:
+        """Refuse, in one line, to evaluate where there is nothing held out."""
+        if not self.held_out:
+            raise UserError(f"config field eval_size: no held-out problems to evaluate on (eval_size is "
+                            f"{self.cfg.eval_size})", field="eval_size")
+
+    def close(self) -> None:
+        """Release what ``start`` made."""
+
+
+def sampler_for(cfg: TrainConfig) -> type[Sampler]:
+    """The sampler class ``cfg`` selects (the default, prompt completions, when none does)."""
+    chosen = [s for name, s in samplers.items() if name != DEFAULT and s.selects(cfg)]
+    return chosen[0] if chosen else samplers.get(DEFAULT)

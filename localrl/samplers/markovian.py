@@ -1,0 +1,83 @@
+"""Markovian traces (Delethink; the chunking itself is ``localrl.markovian``): each completion is reasoned in
+chunks of ``markovian_chunk`` tokens whose context is rebuilt at every boundary. Selected by
+``markovian_chunk > 0``.
+
+The rewards read each whole trace; the update trains every chunk in the context it was sampled in, with
+its trace's advantage (``Batch.reward_rows``), each chunk weighted as one sequence (``dr_grpo``'s constant
+is the chunk length). Held-out problems are decoded as greedy traces, chunk by chunk, in training and in
+``localrl eval`` alike. The torch sampler only, one process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from localrl.errors import UserError
+from localrl.evaluate import columns_of, evaluate
+from localrl.markovian import sample_markovian, trace_rollout
+from localrl.rewards import combine, reward_names, score
+from localrl.rollout import Rollout, completion_token_ids, decode_completions, encode_prompts
+from localrl.samplers import Batch, ModelInfo, samplers
+from localrl.samplers.completions import Completions
+
+
+@samplers.register("markovian")
+class Markovian(Completions):
+    @classmethod
+    def selects(cls, cfg) -> bool:
+        return cfg.markovian_chunk > 0
+
+    def check(self, w) -> None:
+        if w.distributed:
+            raise UserError(f"config field markovian_chunk: Markovian thinking runs in one process; launch it "
+                            f"without torchrun (this launch has {w.size} ranks)", field="markovian_chunk")
+
+    def choose_backend(self, info: ModelInfo) -> tuple[str, str]:
+        return "torch", "rollouts: torch (Markovian thinking)"
+
+    def describe_eval(self) -> str:
+        return f"on single-turn prompts ({self.cfg.data}), as Markovian traces of {self.cfg.markovian_chunk}-token chunks"
+
+    def sample(self, ctx, step: int, tokens: int, system=lambda s: s) -> Batch:
+        """B x G traces in chunks, scored as whole traces; the rows are the chunks, each with its trace's reward."""
+        cfg, model, tok = self.cfg, ctx.model, ctx.tok
+        self._overlong_budget(tokens)
+        t0 = time.time()
+        seed = cfg.seed * 1_000_003 + step
+        model.eval()
+        rows = self.task.sample(step, cfg.prompts_per_step, cfg.seed)
+        prompts = encode_prompts(tok, rows, system(self.task.system))
+        chunks = sample_markovian(model, prompts, cfg.group_size, cfg.markovian_chunk, cfg.markovian_carry, tokens,
+                                  ctx.stops, tok.pad_token_id, cfg.temperature, seed)
+        t_gen = time.time() - t0
+        whole = trace_rollout(chunks, prompts, cfg.group_size, tok.pad_token_id)
+        columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(whole)}
+        texts = decode_completions(tok, whole)
+        scores = score(self.reward_fns, texts, columns)
+        rewards = torch.tensor(combine(scores, self.weights), dtype=torch.float64)  # [B*G]
+        rollout = chunks.rollout
+        return Batch(rollout, rewards, scores, reward_names(self.reward_fns),
+                     [len(t) for t in chunks.traces],  # of whole traces
+                     chunks.truncated.float().mean().item(), t_gen, cfg.markovian_chunk,  # (dr_grpo: a chunk)
+                     reward_rows=chunks.trace, rows=rows, texts=texts,
+                     extra={"chunks_per_trace": rollout.completion_ids.size(0) / len(chunks.traces),
+                            "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max())})
+
+    def evaluate(self, model, tok, progress=None, batch_size: int = 64, system=lambda s: s, samples: int = 0,
+                 stops: list[int] | None = None) -> dict:
+        from localrl.rollout import stop_token_ids
+
+        cfg = self.cfg
+        self._overlong_budget(cfg.max_new_tokens)
+        stops = stops if stops is not None else stop_token_ids(tok, model)
+
+        def generate(prompts: list[list[int]]) -> Rollout:  # greedy traces, chunk by chunk, as sampled
+            chunks = sample_markovian(model, prompts, 1, cfg.markovian_chunk, cfg.markovian_carry, cfg.max_new_tokens,
+                                      stops, tok.pad_token_id, 0.0, 0)
+            return trace_rollout(chunks, prompts, 1, tok.pad_token_id)
+
+        fns, weights = self.scored_rewards()
+        return evaluate(model, tok, self.task.held_out, fns, weights, cfg.max_new_tokens, batch_size,
+                        progress=progress, system=system(self.task.system), samples=samples, generate=generate)
