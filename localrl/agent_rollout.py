@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localrl.agent import tool_response
+from localrl.tool_calls import tool_response
 from localrl.envs import Environment
 from localrl.errors import UserError
 from localrl.rollout import Rollout, left_pad, sample_groups

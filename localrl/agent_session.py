@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from localrl.agent import parse_tool_calls, system_message, tool_response
+from localrl.tool_calls import parse_tool_calls, system_message, tool_response
 from localrl.approvals import Approvals
 from localrl.errors import UserError
 from localrl.sandbox import Sandbox

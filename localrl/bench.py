@@ -36,7 +36,7 @@ import torch
 
 from localrl.errors import UserError
 from localrl.memory import reset_resident_peak, resident_bytes
-from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.shared_prompt import ConcatForward, SharedPromptForward
 from localrl.rollout import Rollout
 
 PROMPT_CACHE_SHAPES = [(1000, 100, 8), (4000, 64, 8)]  # (P, R, G)
@@ -491,7 +491,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     from localrl.agent_rollout import run_episodes
     from localrl.envs import environment_for, task_seeds
     from localrl.config import build_config
-    from localrl.grpo import grpo_step
+    from localrl.grpo import policy_update
     from localrl.losses import group_advantages
     from localrl.modeling import load_policy
     from localrl.rollout import stop_token_ids
@@ -514,7 +514,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
         advantages = torch.linspace(0.5, 1.5, advantages.numel())  # (a group's episodes can be identical: +-1 cancels)
     log(f"rollout: {prompts} tasks x {group} episodes, {s['turns']:.1f} turns and {s['model_tokens']:.0f} model "
         f"tokens per episode, trajectories of up to {rollout.completion_ids.size(1)} tokens after a "
-        f"{rollout.prompt_ids.size(1)}-token prompt; sandbox isolation {setup.isolation}")
+        f"{rollout.prompt_ids.size(1)}-token prompt; {setup.describe}")
     log(f"  model decoding {s['model_s']:7.2f} s   environment {s['env_s']:7.2f} s (commands in the sandbox "
         f"{s['sandbox_s']:.2f} s of work, {cfg.env_workers} at once)   whole rollout {s['rollout_s']:.2f} s")
 
@@ -532,7 +532,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
         for cache in (True, False):
             step_cfg = dataclasses.replace(cfg, prompt_cache=cache, beta=0.0, max_grad_norm=0.0)
             t0 = time.perf_counter()
-            grpo_step(policy, NoStep(), rollout, advantages, step_cfg)
+            policy_update(policy, NoStep(), rollout, advantages, step_cfg)
             times[cache].append(time.perf_counter() - t0)
             grads[cache] = [p.grad.clone() for p in policy.parameters() if p.grad is not None]
     # relative to the largest gradient entry of all: a fresh adapter's lora_A gradients are 0 (B is 0), and float
@@ -544,7 +544,7 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
         f"(largest relative gradient difference {err:.1e})")
     return {"model_s": s["model_s"], "env_s": s["env_s"], "sandbox_s": s["sandbox_s"], "rollout_s": s["rollout_s"],
             "update_shared_s": shared, "update_concat_s": concat, "speedup": concat / shared, "grad_rel_err": err,
-            "turns": s["turns"], "isolation": setup.isolation}
+            "turns": s["turns"], **setup.details}
 
 
 def bench_distributed(model: str = "tiny-arith", prompts: int = 8, group: int = 8, max_new_tokens: int = 32,

@@ -1,5 +1,7 @@
-"""The policy update of one GRPO step on a finished rollout: clipped loss (+ KL to the base model),
-micro-batched through the shared-prompt forward, ``num_iterations`` optimizer steps.
+"""The policy update of one GRPO step on a finished rollout: ``update`` (group advantages, the memory plan
+for this batch) then ``policy_update`` (the clipped loss + KL to the reference, micro-batched through the
+shared-prompt forward, ``num_iterations`` optimizer steps). The step itself, sampling included, is the
+``grpo`` objective's (``localrl.objectives.grpo``).
 
 Single-turn and multi-turn steps both end here: a rollout's ``trained_mask`` says which
 completion tokens the loss covers (a multi-turn trajectory's environment tokens are attended
@@ -8,21 +10,17 @@ to but not trained on).
 
 from __future__ import annotations
 
-import math
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from localrl.config import TrainConfig
 from localrl.distributed import world
 from localrl.errors import UserError
-from localrl.memory import peak_memory_mb
-from localrl.monitors import length_correlation
 from localrl.losses import (LossSettings, group_advantages, grpo_loss, high_entropy_mask, high_entropy_threshold,
                             importance_weights, loss_normalizer, masked_mean)
-from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.shared_prompt import ConcatForward, SharedPromptForward
 from localrl.reference import Reference
 from localrl.rollout import Rollout
 
@@ -34,7 +32,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
-    ``grpo_step``. Returns grpo_step's statistics plus what every step record reports about the update.
+    ``policy_update``. Returns policy_update's statistics plus what every step record reports about the update.
     ``reward_rows``: for a rollout whose rows are not the rewarded completions themselves (Markovian
     chunks), the reward each row takes its advantage from; ``max_len``: the longest a row can be (dr_grpo's
     constant; default ``max_new_tokens``)."""
@@ -52,72 +50,10 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,
+    stats = policy_update(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,
                       entropy_coef, max_len)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
-
-
-def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], names: list[str], stats: dict,
-                lengths: list[int], truncated: float, started: float, gen_s: float, lr: float, device) -> dict:
-    """The metrics record of a single-turn step (0-based ``step``, begun at time ``started``): the rewards'
-    mean and std over the completions sampled (``lengths`` tokens each), accuracy (the share the first,
-    correctness, reward scores 1), each reward's mean, the update's loss, KL, clip fraction and whatever
-    optional statistics it has, the correlation of reward with completion length (a reward-hacking sign;
-    under torchrun, this rank's completions), and the step's speed and memory."""
-    elapsed = time.time() - started
-    return {
-        "kind": "train",
-        "step": step + 1,
-        "completions": len(lengths),
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
-        "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
-        "rewards": {name: sum(s) / len(s) for name, s in zip(names, scores)},
-        "loss": stats["loss"],
-        "kl": stats["kl"],
-        "clip_frac": stats["clip_frac"],
-        "reward_length_corr": length_correlation(rewards.tolist(), lengths),
-        "completion_len": sum(lengths) / len(lengths),
-        "truncated": truncated,
-        "frac_reward_zero_std": stats["frac_reward_zero_std"],
-        "tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
-        "gen_s": round(gen_s, 3),
-        "step_s": round(elapsed, 3),
-        "lr": lr,
-        "micro_batch": stats["micro_batch"],
-        "peak_mem_mb": peak_memory_mb(device),
-        **{k: stats[k] for k in ("entropy", "is_weight", "allreduce_s") if k in stats},
-    }
-
-
-@dataclass
-class EntropyControl:
-    """The entropy bonus's coefficient through a run: ``entropy_coef``, or with ``use_adaptive_entropy``
-    Skywork-OR1's controller as TRL has it: the coefficient applies only while the last step's entropy was
-    at most ``entropy_target`` (none before the first measurement), and after each step it rises by
-    ``entropy_coef_delta`` if the entropy was at most the target and falls by it otherwise, within
-    [``entropy_coef_min``, ``entropy_coef_max``]. Checkpointed with the run (``state``)."""
-
-    coef: float
-    last_entropy: float = math.inf
-
-    def applied(self, cfg: TrainConfig) -> float:
-        if not cfg.use_adaptive_entropy:
-            return cfg.entropy_coef
-        return self.coef if self.last_entropy <= cfg.entropy_target else 0.0
-
-    def observe(self, entropy: float | None, cfg: TrainConfig) -> None:
-        if not cfg.use_adaptive_entropy or entropy is None:
-            return
-        if entropy <= cfg.entropy_target:
-            self.coef = min(self.coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
-        else:
-            self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
-        self.last_entropy = entropy
-
-    def state(self) -> dict:
-        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
 
 
 def batch_plan(model, rollout: Rollout, cfg: TrainConfig, step: int, budget=None) -> tuple[int, int]:
@@ -144,7 +80,7 @@ def row_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def grpo_step(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
+def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
               micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None,
               reference: Reference | None = None, entropy_coef: float | None = None, max_len: int | None = None
               ) -> dict:

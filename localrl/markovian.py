@@ -9,7 +9,7 @@ thinks. The reward reads the whole trace (every chunk's tokens in order).
 
 For the update each chunk is one row: its context as the prompt, its tokens as the completion, the
 trace's advantage as its advantage; every chunk's tokens are trained in exactly the context they were
-sampled in. The rows go through the same ``grpo_step`` (and prompt-cache forward) as ordinary
+sampled in. The rows go through the same ``policy_update`` (and prompt-cache forward) as ordinary
 completions, each chunk weighted as one sequence by the loss type (``dr_grpo`` divides by C). The
 sampler that does this in a run is ``localrl.samplers.markovian``.
 

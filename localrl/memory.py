@@ -1,6 +1,6 @@
 """Memory planner: predict a GRPO step's peak memory from config.json alone, and fit it to a budget.
 
-The prediction counts bytes the way the training step holds them (prompt_cache.py):
+The prediction counts bytes the way the training step holds them (shared_prompt.py):
 
     static      weights (4-bit linears at ~0.53 byte/param, the rest in the compute dtype)
                 + LoRA parameters, gradients and two AdamW moments (fp32)
@@ -511,7 +511,7 @@ class MemoryBudget:
 
     def enable_checkpointing(self, model) -> None:
         if not self._checkpointing:
-            from localrl.prompt_cache import enable_checkpointing
+            from localrl.shared_prompt import enable_checkpointing
 
             enable_checkpointing(model)
             self._checkpointing = True

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from localrl.agent import parse_calls, tool_response, without_tool_calls
+from localrl.tool_calls import parse_calls, tool_response, without_tool_calls
 from localrl.errors import UserError
 from localrl.quant.gguf_info import read_gguf_info
 from localrl.quant.runtime import require_llama_cpp_server

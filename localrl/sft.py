@@ -24,7 +24,7 @@ from localrl.agent_rollout import TurnFormat
 from localrl.config import TrainConfig
 from localrl.envs import EnvSetup
 from localrl.grpo import row_slices
-from localrl.prompt_cache import ConcatForward
+from localrl.shared_prompt import ConcatForward
 from localrl.rollout import Rollout, left_pad
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from localrl.budget import token_budget
+from localrl.length_schedule import max_tokens_at
 from localrl.config import TrainConfig
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
@@ -236,7 +236,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         wall_offset = max((r.get("wall_time", 0.0) for r in history if r.get("kind") == "train"), default=0.0)
         with _StopFlag(same_within=2.0 if w.distributed else 0.0) as stop_flag:
             for step in range(start, cfg.steps):
-                tokens = token_budget(cfg, step)  # this step's completion budget (budget_schedule)
+                tokens = max_tokens_at(cfg, step)  # this step's completion budget (budget_schedule)
                 try:
                     record = objective.step(ctx, step, tokens)
                 except (torch.OutOfMemoryError, RuntimeError) as e:

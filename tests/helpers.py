@@ -182,7 +182,7 @@ def run_planned_step(model, plan, prompt_len: int, completion_len: int, group: i
     micro-batches); returns (measured peak bytes of the step, the plan's prediction for it)."""
     from localrl.bench import PeakMemory, synthetic_group
     from localrl.memory import ModelShape
-    from localrl.prompt_cache import SharedPromptForward, enable_checkpointing
+    from localrl.shared_prompt import SharedPromptForward, enable_checkpointing
 
     device = next(model.parameters()).device
     if plan.checkpointing:

@@ -9,10 +9,10 @@ from localrl.agent_rollout import TurnFormat, cut_at_tool_call, run_episodes
 from localrl.config import TrainConfig
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
-from localrl.grpo import grpo_step
+from localrl.grpo import policy_update
 from localrl.losses import grpo_loss
 from localrl.modeling import load_policy, pick_device
-from localrl.prompt_cache import ConcatForward
+from localrl.shared_prompt import ConcatForward
 from localrl.rollout import Rollout, left_pad, stop_token_ids
 from tests.helpers import randomise_lora, rel_err
 
@@ -112,7 +112,7 @@ class _NoStep:
 def lora_grads(model, rollout, prompt_cache=True, micro_batch=0):
     model.zero_grad(set_to_none=True)
     cfg = TrainConfig(beta=0.0, max_grad_norm=0.0, temperature=1.0, prompt_cache=prompt_cache).validate()
-    grpo_step(model, _NoStep(), rollout, torch.tensor([1.0, -0.5, -0.5]), cfg, micro_batch=micro_batch)
+    policy_update(model, _NoStep(), rollout, torch.tensor([1.0, -0.5, -0.5]), cfg, micro_batch=micro_batch)
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 

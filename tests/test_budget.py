@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localrl.budget import token_budget
+from localrl.length_schedule import max_tokens_at
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from tests.helpers import QUIET, small, train_records
@@ -13,7 +13,7 @@ from tests.helpers import QUIET, small, train_records
 
 def budgets(**kw) -> list[int]:
     cfg = TrainConfig(**kw).validate()
-    return [token_budget(cfg, step) for step in range(cfg.steps)]
+    return [max_tokens_at(cfg, step) for step in range(cfg.steps)]
 
 
 def test_constant_linear_and_step_budgets_are_the_hand_computed_ones():

@@ -66,7 +66,7 @@ def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_agent_is_small_and_makes_well_formed_tool_calls():
-    from localrl.agent import parse_tool_calls
+    from localrl.tool_calls import parse_tool_calls
     from localrl.agent_rollout import TurnFormat
     from localrl.envs.shell_tasks import held_out_tasks
     from localrl.models import builtin_path

@@ -80,3 +80,17 @@ def test_every_relative_link_resolves():
 
 def test_the_readme_is_one_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300  # each topic's details live in docs/
+
+
+def test_the_docs_site_builds_with_every_page(tmp_path):
+    """mkdocs (what TRL's users meet) builds docs/ as a static site; --strict fails on a page missing from the
+    nav, a nav entry without its page, or a broken link between pages."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                           "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    pages = sorted(p.relative_to(ROOT / "docs").with_suffix("").as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    built = [p for p in pages if (tmp_path / "site" / ("" if p == "index" else p) / "index.html").is_file()]
+    assert built == pages and len(pages) >= 14

@@ -11,7 +11,7 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.markovian import chunk_context, sample_markovian, trace_rollout
 from localrl.modeling import load_policy
-from localrl.prompt_cache import ConcatForward, SharedPromptForward
+from localrl.shared_prompt import ConcatForward, SharedPromptForward
 from localrl.rollout import encode_prompts, stop_token_ids
 from localrl.tasks import load_task
 from tests.helpers import QUIET, small, train_records

@@ -10,7 +10,7 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.modeling import load_config, load_policy, pick_device
 from localrl.rollout import encode_prompts, sample_groups, stop_token_ids
-from localrl.prompt_cache import ConcatForward
+from localrl.shared_prompt import ConcatForward
 from localrl.trainer import train
 from localrl.modeling import count_4bit_layers
 from tests.helpers import distinct_chars

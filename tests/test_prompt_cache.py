@@ -5,7 +5,7 @@ import torch
 
 from localrl.config import TrainConfig
 from localrl.modeling import load_base, load_policy, pick_device
-from localrl.prompt_cache import ConcatForward, SharedPromptForward, token_logprobs
+from localrl.shared_prompt import ConcatForward, SharedPromptForward, token_logprobs
 from localrl.rollout import Rollout, left_pad
 from tests.helpers import randomise_lora, rel_err
 
@@ -84,7 +84,7 @@ def test_full_precision_all_parameter_gradients_match(tiny_models, arch):
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_models):
     model, rollout = lora_policy(tiny_models["qwen2"])
     plain = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)
-    from localrl.prompt_cache import enable_checkpointing
+    from localrl.shared_prompt import enable_checkpointing
 
     enable_checkpointing(model)
     checkpointed = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)
@@ -129,7 +129,7 @@ def test_one_optimizer_step_updates_the_same_with_and_without_the_prompt_cache(b
 
 
 class _NoStep:
-    """An optimizer that leaves the gradients where grpo_step put them."""
+    """An optimizer that leaves the gradients where policy_update put them."""
 
     def zero_grad(self, set_to_none=True):
         pass
@@ -142,12 +142,12 @@ class _NoStep:
 @pytest.mark.parametrize("rewards", [[1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0],
                                      [1.0, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0, 1.0, 0.0]], ids=["binary", "graded"])
 def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny_models, micro_batch, rewards):
-    """With beta 0, grpo_step computes only the groups with a learning signal; the gradient equals the
+    """With beta 0, policy_update computes only the groups with a learning signal; the gradient equals the
     full batch's (every completion through the loss, divided by all of them) to float rounding. With
     graded rewards (partial credit) a group with a signal can hold a completion of zero advantage, the
     group's mean: the group is still computed."""
     from localrl.losses import group_advantages, grpo_loss
-    from localrl.grpo import grpo_step
+    from localrl.grpo import policy_update
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     advantages = group_advantages(torch.tensor(rewards), G).float()
@@ -165,7 +165,7 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
     want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad(set_to_none=True)
-    grpo_step(model, _NoStep(), rollout, advantages, cfg, micro_batch=micro_batch)
+    policy_update(model, _NoStep(), rollout, advantages, cfg, micro_batch=micro_batch)
     got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys() and len(got) > 0
     for k in want:
@@ -173,20 +173,20 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
 
 
 def test_a_step_where_every_group_scored_alike_moves_neither_adapter_nor_optimizer(tiny_models):
-    """beta 0 and no signal: an optimizer step would replay Adam's momentum; grpo_step takes none."""
+    """beta 0 and no signal: an optimizer step would replay Adam's momentum; policy_update takes none."""
     from localrl.losses import group_advantages
-    from localrl.grpo import grpo_step
+    from localrl.grpo import policy_update
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     cfg = TrainConfig(beta=0.0, temperature=1.0).validate()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     signal = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0]), G).float()
-    grpo_step(model, optimizer, rollout, signal, cfg)  # momentum to replay
+    policy_update(model, optimizer, rollout, signal, cfg)  # momentum to replay
     before = [p.detach().clone() for p in params]
     steps = [s["step"].clone() for s in optimizer.state.values()]
     flat = group_advantages(torch.tensor([1.0] * 3 + [0.0] * 3 + [2.0] * 3), G).float()
-    stats = grpo_step(model, optimizer, rollout, flat, cfg)
+    stats = policy_update(model, optimizer, rollout, flat, cfg)
     assert stats == {"loss": 0.0, "kl": None, "clip_frac": 0.0}
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert [s["step"] for s in optimizer.state.values()] == steps

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from localrl import cgroups
-from localrl.agent import parse_tool_calls
+from localrl.tool_calls import parse_tool_calls
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
 from localrl.errors import UserError

@@ -1,5 +1,5 @@
 """localrl's GRPO update against TRL's own loss code: for each loss type, TRL's ``GRPOTrainer.compute_loss``
-and localrl's ``grpo_step`` see the same model, adapter and rollout, and must give the same loss and
+and localrl's ``policy_update`` see the same model, adapter and rollout, and must give the same loss and
 the same gradient on every LoRA weight; and localrl's gradient must not depend on the micro-batch size."""
 
 import pytest
@@ -9,7 +9,7 @@ from localrl.config import LOSS_TYPES, TrainConfig
 from localrl.losses import group_advantages
 from localrl.modeling import load_policy, pick_device
 from localrl.rollout import Rollout, left_pad
-from localrl.grpo import grpo_step
+from localrl.grpo import policy_update
 
 G, R, TEMPERATURE = 4, 9, 0.7
 
@@ -48,7 +48,7 @@ def _localrl(model, rollout, advantages, loss_type: str, micro_batch: int, **set
     cfg = TrainConfig(**{"loss_type": loss_type, "beta": 0.0, "max_grad_norm": 0.0, "temperature": TEMPERATURE,
                          "max_new_tokens": R, "group_size": G, **settings}).validate()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)  # keeps the weights
-    stats = grpo_step(model, optimizer, rollout, advantages, cfg, micro_batch=micro_batch)
+    stats = policy_update(model, optimizer, rollout, advantages, cfg, micro_batch=micro_batch)
     return stats["loss"], _lora_grads(model)
 
 

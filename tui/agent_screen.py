@@ -25,7 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, Static, Switch
 from textual.worker import get_current_worker
 
-from localrl.agent import parse_tool_calls, system_message, tool_response
+from localrl.tool_calls import parse_tool_calls, system_message, tool_response
 from localrl.agent_session import agent_system
 from localrl.approvals import Approvals
 from localrl.errors import UserError

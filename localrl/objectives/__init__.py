@@ -19,9 +19,12 @@ arguments; the config is never rewritten to carry it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from localrl.memory import peak_memory_mb
+from localrl.monitors import length_correlation
 from localrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -100,3 +103,36 @@ class Objective:
 def objective_for(cfg: TrainConfig) -> Objective:
     """The configured objective, made for ``cfg``."""
     return objectives.get(cfg.objective)(cfg)
+
+
+def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], names: list[str], stats: dict,
+                lengths: list[int], truncated: float, started: float, gen_s: float, lr: float, device) -> dict:
+    """The metrics record of a single-turn step (0-based ``step``, begun at time ``started``): the rewards'
+    mean and std over the completions sampled (``lengths`` tokens each), accuracy (the share the first,
+    correctness, reward scores 1), each reward's mean, the update's loss, KL, clip fraction and whatever
+    optional statistics it has, the correlation of reward with completion length (a reward-hacking sign;
+    under torchrun, this rank's completions), and the step's speed and memory."""
+    elapsed = time.time() - started
+    return {
+        "kind": "train",
+        "step": step + 1,
+        "completions": len(lengths),
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
+        "rewards": {name: sum(s) / len(s) for name, s in zip(names, scores)},
+        "loss": stats["loss"],
+        "kl": stats["kl"],
+        "clip_frac": stats["clip_frac"],
+        "reward_length_corr": length_correlation(rewards.tolist(), lengths),
+        "completion_len": sum(lengths) / len(lengths),
+        "truncated": truncated,
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
+        "tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        "gen_s": round(gen_s, 3),
+        "step_s": round(elapsed, 3),
+        "lr": lr,
+        "micro_batch": stats["micro_batch"],
+        "peak_mem_mb": peak_memory_mb(device),
+        **{k: stats[k] for k in ("entropy", "is_weight", "allreduce_s") if k in stats},
+    }

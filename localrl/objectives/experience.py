@@ -13,8 +13,7 @@ from dataclasses import replace
 from localrl.errors import UserError
 from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
                                 initial_library, judge_load, judge_request, parse_edits, question_text, reply_start)
-from localrl.grpo import step_record
-from localrl.objectives import Objective, StepContext, objectives
+from localrl.objectives import Objective, StepContext, objectives, step_record
 
 
 @objectives.register("experience")

@@ -12,10 +12,41 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
-from localrl.grpo import EntropyControl, step_record, update
-from localrl.objectives import Objective, StepContext, objectives
+from localrl.config import TrainConfig
+from localrl.grpo import update
+from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.reference import Reference
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient through a run: ``entropy_coef``, or with ``use_adaptive_entropy``
+    Skywork-OR1's controller as TRL has it: the coefficient applies only while the last step's entropy was
+    at most ``entropy_target`` (none before the first measurement), and after each step it rises by
+    ``entropy_coef_delta`` if the entropy was at most the target and falls by it otherwise, within
+    [``entropy_coef_min``, ``entropy_coef_max``]. Checkpointed with the run (``state``)."""
+
+    coef: float
+    last_entropy: float = math.inf
+
+    def applied(self, cfg: TrainConfig) -> float:
+        if not cfg.use_adaptive_entropy:
+            return cfg.entropy_coef
+        return self.coef if self.last_entropy <= cfg.entropy_target else 0.0
+
+    def observe(self, entropy: float | None, cfg: TrainConfig) -> None:
+        if not cfg.use_adaptive_entropy or entropy is None:
+            return
+        if entropy <= cfg.entropy_target:
+            self.coef = min(self.coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self.last_entropy = entropy
+
+    def state(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
 
 
 @objectives.register("grpo")

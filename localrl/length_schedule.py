@@ -13,7 +13,7 @@ from __future__ import annotations
 from localrl.config import TrainConfig
 
 
-def token_budget(cfg: TrainConfig, step: int) -> int:
+def max_tokens_at(cfg: TrainConfig, step: int) -> int:
     """``max_new_tokens`` for step ``step`` (0-based) of ``cfg.steps``."""
     start = cfg.max_new_tokens
     final = cfg.max_new_tokens_final or start
