@@ -36,14 +36,10 @@ OBJECTIVE_PRESETS = {"sft": {"env": "shell"}}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
-def _environment_names() -> list[str]:
+def _environments():
     from localrl.envs import environments  # (registered environments: the built-in ones and any a user added)
 
-    return environments.names()
-
-
-def _environment_known(name: str) -> bool:
-    return ":" in name or name in _environment_names()
+    return environments
 
 
 def _f(default: Any, help: str) -> Any:
@@ -291,8 +287,8 @@ class TrainConfig:
             ("experience_judge_tokens", self.experience_judge_tokens >= 1, "must be at least 1"),
             ("objective", self.objective != "sft" or bool(self.env),
              "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
-            ("env", not self.env or _environment_known(self.env),
-             f"must be empty or one of {', '.join(_environment_names())} (or package.module:function)"),
+            ("env", not self.env or _environments().known(self.env),
+             f"must be empty or one of {', '.join(_environments().names())} (or package.module:function)"),
             ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
             *[(name, not self.env or getattr(self, name) == FIELDS[name].default,
                "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",

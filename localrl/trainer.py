@@ -87,8 +87,6 @@ class Preflight:
     budget: MemoryBudget  # of the whole run: memory_budget, or the memory free at start
     in_4bit: bool  # the base in 4-bit NF4 (quantize, with "auto" decided for this machine)
     why_4bit: str  # the choice in words, for the run's first lines
-    model_path: str  # the model's resolved directory
-    context: int = 2048  # the model's context, in tokens
     extra_model_path: str = ""  # another model the objective needs ("": none)
 
     @property
@@ -132,7 +130,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
                                judge=extra_model)
     budget = MemoryBudget.for_run(planned, shape, plan.longest_prompt, device, in_4bit, plan.extra_bytes,
                                   torch_decodes=decodes, judge=extra_model)
-    return Preflight(objective, sampler, plan, device, budget, in_4bit, why, path, context or 2048, extra_path)
+    return Preflight(objective, sampler, plan, device, budget, in_4bit, why, extra_path)
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:

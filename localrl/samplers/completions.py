@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -230,7 +230,8 @@ class Completions(Sampler):
         return self.reward_fns[:-1], self.weights[:-1]
 
     def generate(self, model, tok, stops: list[int]):
-        """Who decodes held-out prompts greedily: llama.cpp when it samples the rollouts, else None (torch)."""
+        """Who decodes held-out prompts greedily: llama.cpp when it samples the rollouts, else None (torch's
+        greedy completions); another sampler of prompts decodes its own way (Markovian traces)."""
         if self.llama is None:
             return None
         return lambda prompts: self.llama.sample(model, prompts, 1, self.cfg.max_new_tokens, stops,
@@ -251,11 +252,7 @@ class Completions(Sampler):
 
 
 def _with_system(task: Task, system: str | None) -> Task:
-    if system == task.system:
-        return task
-    from dataclasses import replace
-
-    return replace(task, system=system)
+    return task if system == task.system else replace(task, system=system)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 import torch
 
 from localrl.errors import UserError
-from localrl.evaluate import columns_of, evaluate
+from localrl.evaluate import columns_of
 from localrl.markovian import sample_markovian, trace_rollout
 from localrl.rewards import combine, reward_names, score
 from localrl.rollout import Rollout, completion_token_ids, decode_completions, encode_prompts
@@ -65,19 +65,13 @@ class Markovian(Completions):
                      extra={"chunks_per_trace": rollout.completion_ids.size(0) / len(chunks.traces),
                             "max_context": int((rollout.prompt_mask.sum(1) + rollout.completion_mask.sum(1)).max())})
 
-    def evaluate(self, model, tok, progress=None, batch_size: int = 64, system=lambda s: s, samples: int = 0,
-                 stops: list[int] | None = None) -> dict:
-        from localrl.rollout import stop_token_ids
-
+    def generate(self, model, tok, stops: list[int]):
+        """Held-out problems decoded as greedy traces, chunk by chunk, as the rollouts are sampled."""
         cfg = self.cfg
-        self._overlong_budget(cfg.max_new_tokens)
-        stops = stops if stops is not None else stop_token_ids(tok, model)
 
-        def generate(prompts: list[list[int]]) -> Rollout:  # greedy traces, chunk by chunk, as sampled
+        def traces(prompts: list[list[int]]) -> Rollout:
             chunks = sample_markovian(model, prompts, 1, cfg.markovian_chunk, cfg.markovian_carry, cfg.max_new_tokens,
                                       stops, tok.pad_token_id, 0.0, 0)
             return trace_rollout(chunks, prompts, 1, tok.pad_token_id)
 
-        fns, weights = self.scored_rewards()
-        return evaluate(model, tok, self.task.held_out, fns, weights, cfg.max_new_tokens, batch_size,
-                        progress=progress, system=system(self.task.system), samples=samples, generate=generate)
+        return traces
