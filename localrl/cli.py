@@ -1,4 +1,5 @@
-"""The ``localrl`` command: parse, validate, call the library. Nothing here a user could not call from Python.
+"""The ``localrl`` command line: the parser, and one call per command into ``localrl.commands`` (each command's
+checks and output live there). Nothing here a user could not call from Python.
 
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--experience RUN] [--reliability F.png]
@@ -16,434 +17,27 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import re
 import sys
-import time
-from dataclasses import replace
-from pathlib import Path
 
-from localrl.config import FIELDS, build_config, fields_help, flag_name, split_overrides
+from localrl.commands import main_rank, quiet_libraries
+from localrl.commands.analyze import cmd_analyze, cmd_plot
+from localrl.commands.baselines import cmd_baselines
+from localrl.commands.bench import cmd_bench
+from localrl.commands.eval import cmd_eval
+from localrl.commands.export import cmd_export
+from localrl.commands.models import cmd_models
+from localrl.commands.plan import cmd_plan
+from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
+from localrl.commands.train import cmd_sft, cmd_train
+from localrl.config import FIELDS, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
-from localrl.heap import return_freed_memory
-from localrl.metrics import eta_seconds, format_duration
-
+from localrl.training.heap import return_freed_memory
 
 EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
-               "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks", "max_turns", "env_workers",
-               "env_timeout", "isolation"]
+               "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks",
+               "max_turns", "env_workers", "env_timeout", "isolation"]
 FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
-
-
-class ProgressBar:
-    """A rich progress display fed by metrics records: what the run is loading, the held-out
-    evaluation's progress, then steps with reward, accuracy, KL and an ETA."""
-
-    def __init__(self, total: int, summary=None):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), _eta_column(), transient=False)
-        self.console = self.progress.console
-        self.total = total
-        self.tasks: dict[str, int] = {}
-        self.steps: list[dict] = []  # the train records seen, for the ETA
-        self.summary = summary  # a step record in one line (the objective's); None: no train records expected
-
-    def log(self, text: str) -> None:
-        """A line above the bar, as written: not rich markup ("pip install 'localrl[llama]'" keeps its brackets)."""
-        self.console.print(text, markup=False, highlight=False)
-
-    def _task(self, key: str, description: str, total: int, completed: int = 0) -> int:
-        if key not in self.tasks:
-            self.tasks[key] = self.progress.add_task(description, total=total, completed=completed, stats="",
-                                                     eta=None)
-            if not self.progress.live.is_started:
-                self.progress.start()
-        return self.tasks[key]
-
-    def __call__(self, record: dict) -> None:
-        kind = record.get("kind")
-        if kind == "status":
-            if "total" not in record:
-                self.log(record["message"])
-            elif record["total"]:
-                label = record.get("label") or f"eval {record.get('when')}"
-                task = self._task(label, label, record["total"])
-                self.progress.update(task, completed=record["done"])
-        elif kind == "eval":
-            self.log(f"eval {record['when']}: {_eval_line(record)}")
-        elif kind == "train":  # the clock starts at the first step, after loading and evaluation
-            task = self._task("train", "train", self.total, record["step"] - 1)
-            stats = self.summary(record) if self.summary is not None else ""
-            self.steps.append(record)
-            self.progress.update(task, completed=record["step"], stats=stats, eta=eta_seconds(self.steps, self.total))
-
-    def close(self) -> None:
-        if self.progress.live.is_started:
-            self.progress.stop()
-
-
-def _eta_column():
-    """The time left: a training bar's from the run's measured step times (``metrics.eta_seconds``: steps of
-    minutes get an ETA too), any other bar's from rich's recent speed."""
-    from rich.progress import ProgressColumn, TimeRemainingColumn
-    from rich.text import Text
-
-    class EtaColumn(ProgressColumn):
-        fallback = TimeRemainingColumn()
-
-        def render(self, task):
-            if task.fields.get("eta") is None:
-                return self.fallback.render(task)
-            return Text(format_duration(task.fields["eta"]), style="progress.remaining")
-
-    return EtaColumn()
-
-
-def _eval_line(r: dict) -> str:
-    if "families" in r:  # episodes in an environment
-        lo, hi = r["interval"]
-        return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
-                f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
-                f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
-    line = f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
-    if "ece" in r:
-        line += (f"; calibration: ECE {r['ece']:.3f}, Brier {r['brier']:.3f}, mean confidence "
-                 f"{r['confidence_mean']:.2f} ({r['confidence_stated']:.0%} stated one)")
-    return line
-
-
-def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
-    _quiet_libraries()
-    from localrl.trainer import resume_config, train
-
-    if args.resume:
-        cfg = resume_config(args.resume, overrides)
-    else:
-        cfg = build_config(args.config, overrides)
-    from localrl.objectives import objective_for
-
-    bar = ProgressBar(cfg.steps, objective_for(cfg).summary)
-    try:
-        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.log)
-    finally:
-        bar.close()
-    if not _main_rank():  # under torchrun, rank 0 reports
-        return 130 if result.interrupted else 0
-    print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
-    if result.eval_before and result.eval_after:
-        print(before_after_line(result.eval_before, result.eval_after, bool(cfg.env)))
-    return 130 if result.interrupted else 0
-
-
-def before_after_line(before: dict, after: dict, env: bool) -> str:
-    """The held-out result of a run, before -> after; a resume with another --eval-size measured the two on
-    different sets, so it says so and claims no difference."""
-    what = "success" if env else "accuracy"
-    items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
-    if before["n"] == after["n"]:
-        delta = 100 * (after["accuracy"] - before["accuracy"])
-        return (f"held-out {what} ({after['n']} {items}, {how}): "
-                f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
-    return (f"held-out {what} ({how}): before {before['accuracy']:.1%} on {before['n']} {items} -> after "
-            f"{after['accuracy']:.1%} on {after['n']} {items} (different sets: not comparable; `localrl eval` "
-            f"both on one set)")
-
-
-def cmd_sft(args: argparse.Namespace, overrides: dict) -> int:
-    return cmd_train(args, overrides if args.resume else {"objective": "sft", **overrides})
-
-
-def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
-    _quiet_libraries()
-    from localrl.evaluate import evaluate_policy
-    from localrl.runs import Run
-
-    cfg = Run.open(args.run).read_config(overrides) if args.run else build_config(None, overrides)
-    if args.reliability:
-        _check_png_path(args.reliability, "eval --reliability")
-    bar = ProgressBar(0)
-
-    def progress(done: int, total: int) -> None:
-        bar({"kind": "status", "when": "held-out", "done": done, "total": total})
-
-    try:
-        result = evaluate_policy(cfg, args.run, progress=None if args.json else progress, experience=args.experience)
-    finally:
-        bar.close()
-    if args.reliability and "ece" in result:
-        from localrl.calibration import plot_reliability
-
-        plot_reliability({result["model"]: result}, args.reliability, title=f"reliability: {result['model']}")
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{result['model']}: {_eval_line(result)}")
-    if args.reliability:
-        print(f"wrote {args.reliability}" if "ece" in result else
-              f"no completion stated a confidence: {args.reliability} not written")
-    if "families" in result:
-        for family, r in result["families"].items():
-            print(f"  {family:<6} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
-                  f"({r['n']} tasks)")
-        for i, sample in enumerate(result["samples"], 1):
-            print(f"\n[{i}] {sample['family']} level {sample['level']}: {sample['task']}  (reward {sample['reward']:g})")
-            for turn, observation in zip(sample["turns"], sample["observations"] + [""]):
-                print(f"    agent: {_one_line(turn)}")
-                if observation:
-                    print(f"    shell: {_one_line(observation)}")
-        return 0
-    for i, sample in enumerate(result["samples"], 1):  # what the rewards saw, so a score can be understood
-        print(f"\n[{i}] prompt: {_one_line(sample['prompt'])}\n    answer: {sample['answer']}"
-              f"\n    completion: {_one_line(sample['completion'])}\n    rewards: "
-              + ", ".join(f"{name} {value:g}" for name, value in sample["rewards"].items()))
-    return 0
-
-
-def _one_line(text, width: int = 200) -> str:
-    text = text if isinstance(text, str) else " | ".join(m["content"] for m in text)
-    flat = " ".join(text.split())
-    return flat if len(flat) <= width else flat[:width - 3] + "..."
-
-
-def _check_png_path(path: str, what: str) -> None:
-    """A PNG to be written after minutes of work: refuse a path that cannot be one before starting."""
-    out = Path(path)
-    if out.suffix.lower() != ".png":
-        raise UserError(f"{what} {path}: must be a .png file")
-    if out.is_dir():
-        raise UserError(f"{what} {path}: is a directory")
-    if not out.parent.is_dir():
-        raise UserError(f"{what} {path}: no such directory {out.parent}")
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from localrl.models import ROOT, builtin_names
-
-    if args.action == "list":
-        for name in builtin_names():
-            built = (ROOT / name / "config.json").is_file()
-            print(f"{name}\t{ROOT / name}\t{'built' if built else 'not built'}")
-        from localrl.models.shapes import SHAPES
-
-        for name, shape in SHAPES.items():
-            print(f"{name}\tshape only (localrl models shape {name} --out DIR)\t{shape.published_params / 1e9:.2f}B")
-        return 0
-    if args.action == "shape":
-        return _models_shape(args)
-    from dataclasses import replace
-
-    from localrl.models.build import RECIPES, build
-
-    if args.name not in RECIPES:
-        raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
-    recipe = RECIPES[args.name]
-    if args.seed is not None:
-        recipe = replace(recipe, seed=args.seed)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise UserError(f"models build --steps: must be at least 1 (got {args.steps})")
-        recipe = replace(recipe, steps=args.steps)
-    out = _replaceable_dir(Path(args.out) if args.out else ROOT / args.name, "models build", "recipe.json",
-                           "a built model")
-    t0 = time.time()
-    build(out, recipe)
-    print(f"wrote {out} in {time.time() - t0:.0f}s")
-    return 0
-
-
-def _replaceable_dir(out: Path, command: str, marker: str, what: str) -> Path:
-    """``out`` for a command that replaces it whole: refused if it is a file, or a directory with files but
-    without ``marker`` (the file that says the command wrote it)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{command} --out {out}: is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
-        raise UserError(f"{command} --out {out}: holds files that are not {what}; it would replace "
-                        f"them (choose an empty or new directory)")
-    return out
-
-
-def _models_shape(args: argparse.Namespace) -> int:
-    from localrl.models.shapes import find_shape, shape_names, write_shape
-
-    if args.name == "tiny-arith":  # the positional's default: a shape must be named
-        raise UserError(f"models shape: name a shape ({', '.join(shape_names())})")
-    find_shape(args.name)
-    if not args.out:
-        raise UserError("models shape: --out DIR is required (where the model directory is written)")
-    out = _replaceable_dir(Path(args.out), "models shape", "shape.json", "a shape model")
-    t0 = time.time()
-    write_shape(args.name, out, args.tokenizer, args.seed or 0)
-    print(f"wrote {out} in {time.time() - t0:.0f}s")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from localrl.commands.bench import run
-
-    return run(args)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
-
-    from localrl.config import TrainConfig
-    from localrl.memory import MemoryBudget, choose_4bit, parse_bytes, plan_step, read_shape
-
-    if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
-        raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
-    if args.budget:
-        parse_bytes(args.budget, "budget", "plan: --budget")
-    shape = read_shape(args.model)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_bytes = 2 if device == "cuda" else 4
-    quantize = "none" if args.no_4bit else args.quantize
-    cfg = TrainConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.completion_len,
-                      lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget).validate()
-    if not args.budget:  # the update alone, as configured: no budget, not this machine's free memory
-        cfg = replace(cfg, eval_size=0)
-    in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(device)) if args.budget else (
-        quantize == "nf4" or (quantize == "auto" and device == "cuda"), f"quantize = {quantize}")
-    print(f"base: {why}")
-    print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
-          f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
-          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}"
-          + (" (this machine's device; --device cuda plans for a GPU)" if args.device == "auto" and device == "cpu"
-             else ""))
-    if not args.budget:
-        print(plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, None, args.lora_rank,
-                        in_4bit, dtype_bytes).describe())
-        return 0
-    # the whole run under the budget, as `localrl train --memory-budget` plans it
-    run = MemoryBudget(shape, cfg, torch.device(device), in_4bit)
-    plan = run.plan(args.prompt_len, args.completion_len)
-    print(plan.describe())
-    try:
-        run.check(args.prompt_len, args.completion_len)
-    except UserError as e:
-        print("DOES NOT FIT: " + str(e).removeprefix("config field memory_budget: "))
-        return 1
-    print("\n".join(run.describe(args.prompt_len, args.completion_len)))
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from localrl.quant.export import export
-
-    result = export(args.source, args.out, args.quant, check=not args.no_check)
-    if result.report is not None:
-        print(result.report.describe())
-    return 0 if result.path is not None else 1
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from localrl.serve import api_key_from, serve
-
-    key = api_key_from(args.api_key, args.api_key_file)
-    if args.api_key is not None:
-        print("localrl: warning: --api-key is visible to other users in the process list; prefer --api-key-file "
-              "PATH or the LOCALRL_API_KEY environment variable", file=sys.stderr)
-    serve(args.gguf, args.host, args.port, key, args.n_ctx, max_body_bytes=args.max_body_bytes,
-          cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), insecure=args.insecure)
-    return 0
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from localrl.chat import terminal_chat
-
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"chat --temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
-    if args.n_ctx < 0 or args.max_tokens < 1:
-        raise UserError("chat: --n-ctx must be 0 (the model's training context) or more, --max-tokens at least 1")
-
-    system = args.system
-    if args.experience:  # a training-free GRPO run's lessons, after the system message
-        from localrl.experience import load_library
-
-        system = load_library(args.experience).system(system)
-    source = args.source or args.experience
-    if source is None:
-        raise UserError("chat: name a model (FILE.gguf, run directory, model) or --experience RUN_DIR")
-    terminal_chat(source, args.n_ctx, args.max_tokens, system, args.temperature)
-    return 0
-
-
-def cmd_agent(args: argparse.Namespace) -> int:
-    from localrl.agent_session import agent_system, check_workdir, run_agent, terminal_ask
-    from localrl.chat import open_chat_model
-
-    check_workdir(args.workdir, args.force_workdir)
-    if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
-        raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
-    system = agent_system(args.system, args.source)
-    _quiet_libraries()
-    model = open_chat_model(args.source, args.n_ctx)
-    try:
-        run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
-                  timeout=args.timeout, system=system, force_workdir=args.force_workdir)
-    finally:
-        model.close()
-    return 0
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from localrl.plot import plot_run
-
-    out = plot_run(args.run, args.out or Path(args.run) / "learning_curve.png", args.title)
-    print(f"wrote {out}")
-    return 0
-
-
-def cmd_analyze(args: argparse.Namespace) -> int:
-    from localrl.analyze import analyze_run, describe, plot_curves
-
-    if not 10 <= args.samples <= 100_000:
-        raise UserError(f"analyze: --samples must be at {'least 10' if args.samples < 10 else 'most 100,000'} "
-                        f"(got {args.samples})")
-    out = args.out or str(Path(args.runs[0]) / "scaling.png")  # beside the run's other plots, as `plot` writes
-    _check_png_path(out, "analyze --out")  # before the fits, not after them
-    bar = ProgressBar(0)
-    try:
-        curves = [analyze_run(run, args.metric, args.compute, args.samples,
-                              lambda done, total, run=run: bar({"kind": "status", "label": f"fit {Path(run).name}",
-                                                                "done": done + 1, "total": total}))
-                  for run in args.runs]
-    finally:
-        bar.close()
-    for curve in curves:
-        print(describe(curve, args.metric, args.compute))
-    out = plot_curves(curves, out, args.metric, args.compute)
-    print(f"wrote {out}")
-    if args.json:
-        print(json.dumps([{"run": c.name, "r0": c.fit.r0, "a": c.fit.a, "b": c.fit.b, "c_mid": c.fit.c_mid,
-                           "rms": c.fit.rms, "intervals": c.intervals, "predicted_end": c.predicted_end,
-                           "compute_end": c.compute_planned} for c in curves]))
-    return 0
-
-
-def cmd_baselines(args: argparse.Namespace) -> int:
-    import torch
-
-    from localrl.baselines.run import QUICK, PongBenchConfig, run
-
-    cfg = QUICK if args.quick else PongBenchConfig()
-    for field in ("steps", "seeds", "eval_points"):
-        value = getattr(args, field)
-        if value is not None:
-            if value < 1:
-                raise UserError(f"baselines: --{field.replace('_', '-')} must be at least 1 (got {value})")
-            cfg = replace(cfg, **{field: value})
-    if cfg.eval_points < 2000 or cfg.seeds < 3:
-        print("note: fewer than 2,000 evaluation points or 3 seeds: the intervals are wide")
-    torch.set_num_threads(1)  # tiny MLPs: threads cost more than they give
-    out = Path(args.out)
-    run(cfg, out)
-    print((out / "results.md").read_text(), end="")
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'learning_curves.png'}")
-    return 0
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
@@ -632,18 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-    import warnings
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # optional-kernel notices on every import
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # per-retry network noise
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,13 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             args = _parse([argv[0], *rest])
             return args.func(args, overrides)
         args = _parse(argv)
-        _quiet_libraries()
+        quiet_libraries()
         return args.func(args)
     except UserError as e:
         rank = getattr(e, "rank", None)  # set by training for a problem of one rank's share of a step
         if rank is not None:
             print(f"localrl: error: rank {rank}: {e}", file=sys.stderr)
-        elif _main_rank():  # (under torchrun every rank stops with the same line: rank 0 says it)
+        elif main_rank():  # (under torchrun every rank stops with the same line: rank 0 says it)
             print(f"localrl: error: {e}", file=sys.stderr)
         if getattr(e, "shared", False):  # torchrun stops the others when one exits: rank 0 has said it first
             sys.stderr.flush()
@@ -723,9 +305,6 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{what + ': ' if what else ''}{message} (see {self.prog} -h)")
 
 
-def _main_rank() -> bool:
-    """Whether this process speaks for the run: always, unless torchrun launched it as a rank other than 0."""
-    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from typing import Any
 from localrl.errors import UserError
 
 BUILTIN_TASKS = ("arith", "words")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.losses
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.policy.losses
 SCALE_REWARDS = ("group", "batch", "none")
 SHELL_FAMILIES = ("count", "files", "edit", "csv", "multi")  # localrl.envs.shell_tasks.FAMILIES
-ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.sandbox's levels, strongest first
+ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.envs.sandbox's levels, strongest first
 # What ``--env NAME`` changes from the defaults, unless the file or the flags set it: the built-in agent
 # model and sizes that train it on a 2-core CPU
 ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,

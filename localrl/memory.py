@@ -350,7 +350,6 @@ class MemoryBudget:
         self.longest_prompt = 0  # tokens (for_run sets it): what the run's phases are planned for
         self.base = runtime_bytes(device) + extra + (judge.weights if judge else 0)  # held all run
         self.held = self.base + static_bytes(shape, cfg.lora_rank, in_4bit, self.dtype_bytes)  # once it has loaded
-        self._checkpointing = False
 
     @classmethod
     def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool,
@@ -509,12 +508,6 @@ class MemoryBudget:
                 f"{self.bytes / GIB:.2f} GiB budget ({self.source}); lower prompts_per_step, group_size or "
                 f"max_new_tokens, or set a smaller memory_budget, before the machine runs out")
 
-    def enable_checkpointing(self, model) -> None:
-        if not self._checkpointing:
-            from localrl.shared_prompt import enable_checkpointing
-
-            enable_checkpointing(model)
-            self._checkpointing = True
 
 
 def _dtype_bytes(device) -> int:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from localrl.atomic import atomic_dir
-from localrl.tasks.arithmetic import sample_problems, worked_answer
+from localrl.data.arithmetic import sample_problems, worked_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]

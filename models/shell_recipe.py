@@ -25,11 +25,11 @@ import random
 from dataclasses import dataclass
 
 
-from localrl.agent_rollout import TurnFormat
 from localrl.envs.shell import ShellEnv, solve, task_list
 from localrl.envs.shell_tasks import Names, rename, sample_tasks
+from localrl.generation.agent_rollout import TurnFormat
 from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe, pad_batch
-from localrl.sft import episode_tokens
+from localrl.policy.sft import episode_tokens
 
 @dataclass
 class ShellRecipe(Recipe):

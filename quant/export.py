@@ -26,8 +26,8 @@ from localrl.memory import ModelShape, check_export, reset_resident_peak, reside
 from localrl.quant.gguf_check import CheckReport, check_gguf
 from localrl.quant.gguf_writer import (LLAMA_CPP_TYPES, check_architecture, llama_cpp_quantize, pre_tokenizer_guess,
                                        vocab_kind, write_gguf)
-from localrl.quant.pretokenizers import choose_pre_tokenizer
 from localrl.quant.modelfile import modelfile_path, write_modelfile
+from localrl.quant.pretokenizers import choose_pre_tokenizer
 from localrl.quant.runtime import require_llama_cpp
 
 

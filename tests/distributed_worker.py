@@ -12,8 +12,8 @@ import sys
 import torch
 
 from localrl.distributed import init_from_env, shutdown
-from localrl.grpo import update
 from localrl.modeling import load_policy
+from localrl.policy.grpo import update
 
 
 def main(cases_path: str, out_dir: str) -> None:

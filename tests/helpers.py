@@ -180,9 +180,9 @@ def tool_call(command: str) -> str:
 def run_planned_step(model, plan, prompt_len: int, completion_len: int, group: int = 8) -> tuple[int, int]:
     """Forward and backward of one synthetic group the way ``plan`` says (checkpointing, logits chunk,
     micro-batches); returns (measured peak bytes of the step, the plan's prediction for it)."""
-    from localrl.bench import PeakMemory, synthetic_group
+    from localrl.benchmarks.side_by_side import PeakMemory, synthetic_group
     from localrl.memory import ModelShape
-    from localrl.shared_prompt import SharedPromptForward, enable_checkpointing
+    from localrl.policy.shared_prompt import SharedPromptForward, enable_checkpointing
 
     device = next(model.parameters()).device
     if plan.checkpointing:

@@ -5,15 +5,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from localrl.agent_rollout import TurnFormat, cut_at_tool_call, run_episodes
 from localrl.config import TrainConfig
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
-from localrl.grpo import policy_update
-from localrl.losses import grpo_loss
+from localrl.generation.agent_rollout import TurnFormat, cut_at_tool_call, run_episodes
+from localrl.generation.rollout import Rollout, left_pad, stop_token_ids
 from localrl.modeling import load_policy, pick_device
-from localrl.shared_prompt import ConcatForward
-from localrl.rollout import Rollout, left_pad, stop_token_ids
+from localrl.policy.grpo import policy_update
+from localrl.policy.losses import grpo_loss
+from localrl.policy.shared_prompt import ConcatForward
 from tests.helpers import randomise_lora, rel_err
 
 
@@ -43,7 +43,7 @@ TOOLS_TEMPLATE = (  # tools in the system block (as Qwen's), tool results in a t
 
 
 def test_a_template_with_tools_gets_the_schema_and_the_tool_role(tiny_models):
-    from localrl.agent_rollout import SHELL_TOOL
+    from localrl.generation.agent_rollout import SHELL_TOOL
 
     tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
     tok.chat_template = TOOLS_TEMPLATE
@@ -181,10 +181,10 @@ def test_the_loss_mask_of_real_episodes_covers_exactly_the_tokens_the_model_samp
     """The built-in agent plays shell tasks for a few turns; every turn is recorded where it is sampled. The
     rollout's loss mask is 1 on exactly those tokens (end-of-turn tokens the model wrote included) and 0 on
     everything the environment added: the closing it supplied, the tool output, the next turn's header."""
-    import localrl.agent_rollout as agent_rollout
-    from localrl.agent_rollout import MAX_OBSERVATION_TOKENS
-    from localrl.models import builtin_path
+    import localrl.generation.agent_rollout as agent_rollout
+    from localrl.generation.agent_rollout import MAX_OBSERVATION_TOKENS
     from localrl.modeling import load_base, load_tokenizer
+    from localrl.models import builtin_path
 
     path = str(builtin_path("tiny-shell"))
     model, tok = load_base(path, False, pick_device("cpu")), load_tokenizer(path)

@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 from localrl.config import build_config
-from localrl.trainer import resume_config, train
+from localrl.training.loop import resume_config, train
 from tests.helpers import QUIET, localrl, train_records
 
 
@@ -76,8 +76,8 @@ def test_names_it_never_saw_are_read_as_well_as_names_it_trained_on(trained_agen
     from dataclasses import replace
 
     from localrl.envs.shell_tasks import held_out_tasks
+    from localrl.generation.rollout import stop_token_ids
     from localrl.modeling import pick_device
-    from localrl.rollout import stop_token_ids
     from localrl.runs import Run
     from localrl.samplers.episodes import Episodes
 

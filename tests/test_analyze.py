@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from localrl.analyze import analyze_run, fit_sigmoid, sigmoid_curve
 from localrl.cli import main
 from localrl.config import TrainConfig
+from localrl.evaluation.analyze import analyze_run, fit_sigmoid, sigmoid_curve
 from localrl.runs import Run
 
 TRUE = dict(r0=0.2, a=0.9, b=1.5, c_mid=6000.0)
@@ -110,7 +110,7 @@ def test_a_rise_that_has_not_bent_yet_gives_no_asymptote_and_no_warnings(tmp_pat
 
 def test_the_learning_curve_shows_rewards_above_one_and_below_zero(tmp_path):
     """A format bonus lifts the mean reward above 1; the plot once cut the line at 1.02."""
-    from localrl.plot import plot_run, y_limits
+    from localrl.evaluation.plot import plot_run, y_limits
 
     assert y_limits([0.2, 0.9]) == (0.0, pytest.approx(1.02))
     lo, hi = y_limits([0.4, 1.3])

@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from localrl.agent_session import agent_system, run_agent, terminal_ask
-from localrl.approvals import Approvals, danger, simple_commands
+from localrl.agent.approvals import Approvals, danger, simple_commands
+from localrl.agent.session import agent_system, run_agent, terminal_ask
 from tests.helpers import ScriptedModel, tool_call
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from localrl.cli import main
 from localrl.errors import UserError
 from localrl.runs import Run
-from localrl.trainer import resume_config, train
+from localrl.training.loop import resume_config, train
 from tests.helpers import QUIET, small, train_records
 
 
@@ -265,12 +265,12 @@ def test_a_run_killed_before_its_config_can_be_started_again(tmp_path, capsys, m
 
 
 def test_ctrl_c_while_the_model_loads_leaves_nothing_and_says_so(tmp_path, monkeypatch, builtin_model):
-    import localrl.trainer
+    import localrl.training.loop
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(localrl.trainer, "load_policy", interrupted)
+    monkeypatch.setattr(localrl.training.loop, "load_policy", interrupted)
     lines = []
     with pytest.raises(KeyboardInterrupt):
         train(small(tmp_path / "runs" / "run", steps=1), log=lines.append)
@@ -403,7 +403,7 @@ def test_chat_flags_are_checked_in_one_line(audit_dir, capsys, flags, message):
 def test_a_chat_longer_than_the_context_is_one_line(builtin_model):
     import io
 
-    from localrl.chat import terminal_chat
+    from localrl.serving.chat import terminal_chat
 
     with pytest.raises(UserError, match="too many for tiny-arith's context of 256"):  # one message alone
         terminal_chat("tiny-arith", stdin=io.StringIO("What is 1 + 1? " * 40 + "\n"), stdout=io.StringIO())
@@ -555,7 +555,7 @@ def test_a_users_broken_verifier_stops_the_run_before_anything_is_written(audit_
 
 def test_a_working_verifier_passes_the_preflight(audit_dir, monkeypatch):
     from localrl.config import build_config
-    from localrl.trainer import preflight
+    from localrl.training.loop import preflight
 
     (audit_dir / "verifiers.py").write_text(VERIFIERS)
     monkeypatch.syspath_prepend(str(audit_dir))
@@ -593,21 +593,21 @@ def _fake_run(path: Path, steps: int = 8, **fields) -> Path:
 def test_analyze_checks_its_output_before_the_fit_and_fits_without_warnings(audit_dir, capsys, monkeypatch):
     import warnings
 
-    import localrl.analyze
+    import localrl.evaluation.analyze
 
     run = _fake_run(audit_dir / "run")
-    real_fit = localrl.analyze.fit_sigmoid
+    real_fit = localrl.evaluation.analyze.fit_sigmoid
 
     def no_fit(*a, **k):
         raise AssertionError("fitted before the output was checked")
 
-    monkeypatch.setattr(localrl.analyze, "fit_sigmoid", no_fit)
+    monkeypatch.setattr(localrl.evaluation.analyze, "fit_sigmoid", no_fit)
     assert "analyze --out missing/s.png: no such directory missing" in one_line(capsys, "analyze", run, "--out",
                                                                                  "missing/s.png")
     assert "analyze --out run: must be a .png file" in one_line(capsys, "analyze", run, "--out", "run")
     assert "--samples must be at most 100,000 (got 10000000000)" in one_line(capsys, "analyze", run, "--samples",
                                                                              "10000000000")
-    monkeypatch.setattr(localrl.analyze, "fit_sigmoid", real_fit)
+    monkeypatch.setattr(localrl.evaluation.analyze, "fit_sigmoid", real_fit)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's overflow warnings included
         code, err = run_cli(capsys, "analyze", run, "--out", "s.png", "--samples", "20")
@@ -668,7 +668,7 @@ def test_serve_of_a_directory_says_it_is_one(audit_dir, capsys):
 
 
 def test_the_agent_refuses_root_and_the_home_directory(audit_dir, capsys, monkeypatch):
-    from localrl.agent_session import check_workdir
+    from localrl.agent.session import check_workdir
 
     home = audit_dir / "home" / "me"
     (home / "project").mkdir(parents=True)

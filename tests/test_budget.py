@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from localrl.length_schedule import max_tokens_at
 from localrl.config import TrainConfig
 from localrl.errors import UserError
+from localrl.training.length_schedule import max_tokens_at
 from tests.helpers import QUIET, small, train_records
 
 
@@ -44,7 +44,7 @@ def test_bad_schedules_are_one_line(kw, message):
 
 @pytest.mark.slow
 def test_a_scheduled_run_samples_within_each_steps_budget(builtin_model, tmp_path):
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = small(tmp_path / "run", steps=4, max_new_tokens=40, max_new_tokens_final=10, budget_schedule="linear",
                 rollout="torch")
@@ -56,7 +56,7 @@ def test_a_scheduled_run_samples_within_each_steps_budget(builtin_model, tmp_pat
 
 
 def test_the_length_reward_is_kimis_within_each_group():
-    from localrl.rewards import default_rewards, length_penalty, numeric_match
+    from localrl.data.rewards import default_rewards, length_penalty, numeric_match
 
     fn = length_penalty(numeric_match)
     completions = ["<answer>5</answer>", "<answer>4</answer>", "<answer>5</answer>",  # prompt A: 10, 20, 30 tokens
@@ -76,7 +76,7 @@ def test_the_curriculum_ends_with_shorter_completions_at_no_more_than_5_points_l
     than the constant-budget run's (30.4 against 32.4 tokens here; 30.4 against 30.9 on an AMX machine) at no more
     than 5 points lower accuracy."""
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     runs = {}
     for name, extra in (("constant", {}), ("linear", {"budget_schedule": "linear", "max_new_tokens_final": 32})):

@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from localrl.config import TrainConfig
-from localrl.evaluate import evaluate
+from localrl.data import load_task
+from localrl.data.rewards import default_rewards
+from localrl.evaluation.evaluate import evaluate
 from localrl.modeling import load_base, load_tokenizer, pick_device
-from localrl.tasks import load_task
-from localrl.rewards import default_rewards
-from localrl.models.build import RECIPES, build
 from localrl.modeling import count_4bit_layers
+from localrl.models.build import RECIPES, build
 
 
 def test_shipped_model_is_small_llama_with_reasoning_chat_template(builtin_model):
@@ -66,11 +66,11 @@ def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_agent_is_small_and_makes_well_formed_tool_calls():
-    from localrl.tool_calls import parse_tool_calls
-    from localrl.agent_rollout import TurnFormat
+    from localrl.agent.tool_calls import parse_tool_calls
     from localrl.envs.shell_tasks import held_out_tasks
+    from localrl.generation.agent_rollout import TurnFormat
+    from localrl.generation.rollout import sample_groups, stop_token_ids
     from localrl.models import builtin_path
-    from localrl.rollout import sample_groups, stop_token_ids
 
     path = builtin_path("tiny-shell")
     assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20

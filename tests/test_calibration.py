@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from localrl.calibration import (CONFIDENCE_PROMPT, brier_penalty, brier_score, calibration_summary,
-                                 expected_calibration_error, reliability, stated_confidence)
-from localrl.rewards import combine, default_rewards, format_reward, numeric_match, score
-from localrl.tasks import FORMAT_PROMPT, system_prompt
-from localrl.tasks.arithmetic import addition_check
+from localrl.data import FORMAT_PROMPT, system_prompt
+from localrl.data.arithmetic import addition_check
+from localrl.data.calibration import (CONFIDENCE_PROMPT, brier_penalty, brier_score, calibration_summary,
+                                       expected_calibration_error, reliability, stated_confidence)
+from localrl.data.rewards import combine, default_rewards, format_reward, numeric_match, score
 from tests.helpers import localrl
 
 
@@ -110,7 +110,7 @@ def test_rlcr_lowers_ece_against_a_plain_run(tmp_path):
     rises while its confidence lags (ECE 0.185 here), RLCR's confidence follows (0.070), at no more than 5
     points lower accuracy."""
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     after = {}
     for weight in (0.0, 1.0):

@@ -58,7 +58,7 @@ def test_models_list_shows_the_builtin(builtin_model):
 
 
 def test_the_progress_display_prints_lines_as_written_not_as_markup():
-    from localrl.cli import ProgressBar
+    from localrl.commands.progress import ProgressBar
 
     bar = ProgressBar(1)
     with bar.console.capture() as captured:
@@ -68,7 +68,7 @@ def test_the_progress_display_prints_lines_as_written_not_as_markup():
 
 def test_the_eta_comes_from_the_steps_measured_even_when_a_step_takes_minutes():
     """rich's own estimate looks at the last 30 s: with 75 s steps it showed -:--:-- for the whole run."""
-    from localrl.cli import ProgressBar
+    from localrl.commands.progress import ProgressBar
     from localrl.metrics import eta_seconds
 
     steps = [{"kind": "train", "step": i, "reward_mean": 0.5, "accuracy": 0.5, "kl": None, "step_s": 70.0,
@@ -88,7 +88,7 @@ def test_the_eta_comes_from_the_steps_measured_even_when_a_step_takes_minutes():
 def test_evaluation_progress_moves_item_by_item_within_a_batch(builtin_model, monkeypatch):
     """``localrl eval --model X.gguf --eval-size 50`` sat at 0/50 for minutes: progress came per batch of 64."""
     from localrl import metrics
-    from localrl.evaluate import evaluate_policy
+    from localrl.commands.eval import evaluate_policy
     from localrl.config import TrainConfig
 
     monkeypatch.setattr(metrics, "PROGRESS_SECONDS", 0.0)
@@ -129,7 +129,7 @@ def test_every_help_entry_says_what_it_means():
 
 def test_a_before_and_after_on_different_eval_sizes_claims_no_difference():
     """A resume with another --eval-size printed "before 34.0% -> after 99.0% (+65 points)" across 200 and 50."""
-    from localrl.cli import before_after_line
+    from localrl.commands.train import before_after_line
 
     same = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 200}, env=False)
     assert same == "held-out accuracy (200 problems, greedy pass@1): before 34.0% -> after 99.0% (+65.0 points)"

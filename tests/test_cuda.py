@@ -18,7 +18,7 @@ def test_4bit_training_on_the_gpu_changes_the_adapter(builtin_model, tmp_path):
 
     from localrl.config import TrainConfig
     from localrl.runs import Run
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(device="cuda", steps=3, prompts_per_step=8, group_size=8, eval_size=0,
                       run_dir=str(tmp_path / "run")).validate()
@@ -35,7 +35,7 @@ def test_4bit_training_on_the_gpu_changes_the_adapter(builtin_model, tmp_path):
 @pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(2000, 128, 2048), (4000, 64, 1024)])
 def test_the_planner_predicts_the_gpu_peak(prompt_len, completion_len, budget_mb):
     """bf16 on CUDA: plan under a budget, run the step that way, compare with max_memory_allocated."""
-    from localrl.bench import bench_model
+    from localrl.benchmarks.side_by_side import bench_model
     from localrl.memory import ModelShape, plan_step
     from tests.helpers import run_planned_step
 
@@ -52,7 +52,7 @@ def test_the_planner_predicts_the_gpu_peak(prompt_len, completion_len, budget_mb
 def test_the_unsloth_path_trains_a_step(builtin_model, tmp_path):
     pytest.importorskip("unsloth", reason="the unsloth extra is not installed")
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(device="cuda", unsloth=True, steps=1, prompts_per_step=4, group_size=4, eval_size=0,
                       run_dir=str(tmp_path / "run")).validate()
@@ -66,7 +66,7 @@ def test_a_qwen2_5_1_5b_shape_qlora_step_stays_under_8gb(tmp_path):
 
     from localrl.config import TrainConfig
     from localrl.models.shapes import write_shape
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     model = write_shape("qwen2.5-1.5b", tmp_path / "qwen", log=lambda *_: None)
     data = tmp_path / "p.jsonl"

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
+from localrl.data import load_task
+from localrl.data.arithmetic import Problem, held_out_problems, is_held_out, sample_problems, worked_answer
+from localrl.data.jsonl import read_jsonl
 from localrl.errors import UserError
-from localrl.tasks import load_task
-from localrl.tasks.arithmetic import Problem, held_out_problems, is_held_out, sample_problems, worked_answer
-from localrl.tasks.jsonl import read_jsonl
 
 
 def test_worked_answer_is_right_without_slips_and_consistently_wrong_with_them():
@@ -70,7 +70,7 @@ def test_empty_and_missing_datasets(tmp_path):
 
 
 def test_word_problems_are_right_seeded_and_split():
-    from localrl.tasks import word_problems as wp
+    from localrl.data import word_problems as wp
 
     held = wp.held_out_problems(300)
     assert held == wp.held_out_problems(300) and len(set(held)) == 300 and all(wp.is_held_out(p) for p in held)
@@ -89,9 +89,9 @@ def test_word_problems_are_right_seeded_and_split():
 
 
 def test_real_models_get_the_answer_format_as_a_system_message(builtin_model):
+    from localrl.data import FORMAT_PROMPT, system_prompt
+    from localrl.generation.rollout import encode_prompts
     from localrl.modeling import load_tokenizer
-    from localrl.rollout import encode_prompts
-    from localrl.tasks import FORMAT_PROMPT, system_prompt
 
     assert system_prompt("auto", "tiny-arith") is None  # the built-in model learned the format, no system turn
     assert system_prompt("auto", "/models/SmolLM2") == FORMAT_PROMPT

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from localrl.data import load_task
 from localrl.distributed import World, init_from_env, pool_records
-from localrl.grpo import update
+from localrl.generation.rollout import concat_rollouts, encode_prompts, sample_groups
 from localrl.metrics import read_metrics
 from localrl.modeling import load_policy
-from localrl.rollout import concat_rollouts, encode_prompts, sample_groups
+from localrl.policy.grpo import update
 from localrl.runs import ADAPTER_FILE, Run
-from localrl.tasks import load_task
-from localrl.trainer import train
+from localrl.training.loop import train
 from tests.helpers import QUIET, small, train_records
 
 WORKER = Path(__file__).with_name("distributed_worker.py")

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from localrl.errors import UserError
-from localrl.experience import (HEADER, MAX_LESSON_CHARS, Edit, ExperienceLibrary, contrasting_pairs,
-                                judge_request, load_library, parse_edits)
+from localrl.policy.experience import (HEADER, MAX_LESSON_CHARS, Edit, ExperienceLibrary, contrasting_pairs,
+                                       judge_request, load_library, parse_edits)
 
 
 def test_edits_apply_in_order_with_stable_numbers():
@@ -119,7 +119,7 @@ def test_a_run_changes_no_weight_and_resumes_with_its_library(builtin_model, tmp
     checkpoint, and a resumed run equals the uninterrupted one."""
     import torch
 
-    from localrl.trainer import resume_config, train
+    from localrl.training.loop import resume_config, train
     from tests.helpers import QUIET, make_tiny_model, small, train_records
 
     judge = make_tiny_model(tmp_path / "judge", "llama", context=2048)
@@ -144,9 +144,9 @@ def test_the_lessons_reach_the_model_in_training_eval_and_chat(builtin_model, tm
     """A run started from a library gives its lessons to the model: tiny-arith, which never saw a system
     message, stops answering right with one (the lessons are in its prompt), in the run's evaluations, in
     `localrl eval` of the run or of the model with --experience, and in chat."""
+    from localrl.commands.eval import evaluate_policy
     from localrl.config import TrainConfig
-    from localrl.evaluate import evaluate_policy
-    from localrl.trainer import resume_config, train
+    from localrl.training.loop import resume_config, train
     from tests.helpers import QUIET, localrl, make_tiny_model, small
 
     judge = make_tiny_model(tmp_path / "judge", "llama", context=2048)
@@ -171,7 +171,7 @@ def test_the_lessons_reach_the_model_in_training_eval_and_chat(builtin_model, tm
 
 def test_bad_experience_settings_fail_before_loading(builtin_model, tmp_path):
     from localrl.config import TrainConfig
-    from localrl.trainer import preflight
+    from localrl.training.loop import preflight
 
     with pytest.raises(UserError, match="experience_init: experience .*: no experience.json there"):
         preflight(TrainConfig(objective="experience", experience_init=str(tmp_path), run_dir=str(tmp_path / "r")))

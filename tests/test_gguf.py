@@ -150,7 +150,7 @@ def test_export_errors_are_one_line(tmp_path, builtin_model):
 @pytest.mark.slow
 def test_fine_tuned_builtin_model_exports_merged_and_validates(builtin_model, tmp_path):
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, eval_size=0, run_dir=str(tmp_path / "run"))
     run = train(cfg, log=lambda *_: None).run_dir

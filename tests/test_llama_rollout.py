@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localrl.llama_rollout import LlamaCppSampler
+from localrl.data import load_task
+from localrl.generation.llama_rollout import LlamaCppSampler
+from localrl.generation.rollout import encode_prompts, sample_groups, stop_token_ids
 from localrl.modeling import load_full, load_tokenizer
 from localrl.quant.gguf_writer import write_gguf
-from localrl.rollout import encode_prompts, sample_groups, stop_token_ids
-from localrl.tasks import load_task
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_a_trained_adapter_as_a_gguf_lora_samples_as_the_merged_torch_policy(bui
     from localrl.config import TrainConfig
     from localrl.quant.lora_gguf import write_lora_gguf
     from localrl.runs import Run
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(steps=3, prompts_per_step=8, group_size=8, eval_size=0, lr=5e-3, seed=1,
                       run_dir=str(tmp_path / "run")).validate()
@@ -82,7 +82,7 @@ def test_a_trained_adapter_as_a_gguf_lora_samples_as_the_merged_torch_policy(bui
 def test_draws_follow_the_softmax_at_the_temperature_and_report_its_log_probabilities():
     import numpy as np
 
-    from localrl.llama_rollout import _draw
+    from localrl.generation.llama_rollout import _draw
 
     rng = np.random.default_rng(0)
     logits = rng.normal(scale=3.0, size=(3, 12)).astype(np.float32)

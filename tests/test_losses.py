@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from localrl.losses import LossSettings, grpo_loss, group_advantages, kl_k3, masked_mean
+from localrl.policy.losses import LossSettings, grpo_loss, group_advantages, kl_k3, masked_mean
 
 
 def test_group_advantages_standardise_within_each_group():
@@ -87,7 +87,7 @@ def test_grpo_loss_micro_batches_add_up_to_the_full_batch():
 
 
 def test_importance_weights_in_the_four_modes():
-    from localrl.losses import importance_weights
+    from localrl.policy.losses import importance_weights
 
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.1], [0.2, 0.9, 0.9]]))
     sampler = torch.log(torch.tensor([[0.25, 0.5, 0.9], [0.2, 0.1, 0.9]]))

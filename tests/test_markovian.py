@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from localrl.config import TrainConfig
+from localrl.data import load_task
 from localrl.errors import UserError
-from localrl.markovian import chunk_context, sample_markovian, trace_rollout
+from localrl.generation.markovian import chunk_context, sample_markovian, trace_rollout
+from localrl.generation.rollout import encode_prompts, stop_token_ids
 from localrl.modeling import load_policy
-from localrl.shared_prompt import ConcatForward, SharedPromptForward
-from localrl.rollout import encode_prompts, stop_token_ids
-from localrl.tasks import load_task
+from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
 from tests.helpers import QUIET, small, train_records
 
 C, M = 8, 4
@@ -92,7 +92,7 @@ def test_bad_markovian_settings_are_one_line(kw, message):
 
 @pytest.mark.slow
 def test_the_markovian_mode_trains_with_reward_rising(builtin_model, tmp_path):
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = small(tmp_path / "run", steps=24, prompts_per_step=8, group_size=8, max_new_tokens=64,
                 markovian_chunk=16, markovian_carry=12, seed=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from localrl.bench import bench_model
+from localrl.benchmarks.side_by_side import bench_model
 from localrl.errors import UserError
 from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
 from tests.helpers import run_planned_step
@@ -119,7 +119,7 @@ FRAGMENTING = """
 import sys, torch
 from pathlib import Path
 if sys.argv[1] == "fixed":
-    from localrl.heap import return_freed_memory
+    from localrl.training.heap import return_freed_memory
     assert return_freed_memory()
 rss = lambda: int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
 torch.empty(4 << 20).fill_(1)  # a 16 MiB block, freed: glibc raises its mmap threshold to its size

@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 
 from localrl.config import TrainConfig
 from localrl.errors import UserError
+from localrl.generation.rollout import encode_prompts, sample_groups, stop_token_ids
 from localrl.modeling import load_config, load_policy, pick_device
-from localrl.rollout import encode_prompts, sample_groups, stop_token_ids
-from localrl.shared_prompt import ConcatForward
-from localrl.trainer import train
 from localrl.modeling import count_4bit_layers
+from localrl.policy.shared_prompt import ConcatForward
+from localrl.training.loop import train
 from tests.helpers import distinct_chars
 
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from localrl.monitors import HackingMonitor, length_correlation, reward_shares, trend_t
-from localrl.tasks import check_reward
-from localrl.tasks.arithmetic import addition_check
+from localrl.data import check_reward
+from localrl.data.arithmetic import addition_check
+from localrl.data.monitors import HackingMonitor, length_correlation, reward_shares, trend_t
 
 
 def test_reward_shares_are_absolute_weighted_shares_without_the_weight_0_check():
@@ -88,7 +88,7 @@ def test_a_run_logs_the_monitors_and_warns_when_a_gamed_reward_parts_from_the_ch
     independent verifier (logged at weight 0) says so."""
     from localrl.metrics import read_metrics
     from localrl.runs import Run
-    from localrl.trainer import train
+    from localrl.training.loop import train
     from tests.helpers import QUIET, small
 
     cfg = small(tmp_path / "run", steps=12, reward="tests.helpers:longer_is_better", format_weight=0.0,

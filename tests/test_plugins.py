@@ -27,7 +27,7 @@ class Answers(Objective):
     sample_rewards = False
 
     def step(self, ctx, step, tokens):
-        from localrl.rollout import encode_prompts
+        from localrl.generation.rollout import encode_prompts
 
         rows = ctx.sampler.task.sample(0, self.cfg.prompts_per_step, self.cfg.seed)
         prompts = encode_prompts(ctx.tok, rows, ctx.sampler.task.system)
@@ -146,13 +146,13 @@ def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, ca
 
 
 def test_the_loop_names_no_objective_sampler_or_environment():
-    """trainer.py asks the registries; a recipe's name anywhere in it (code, strings or comments) means a branch
+    """The loop (training/loop.py) asks the registries; a recipe's name anywhere in it (code, strings or comments) means a branch
     for that recipe crept back into the loop."""
-    source = (ROOT / "localrl" / "trainer.py").read_text().lower()
+    source = (ROOT / "localrl" / "training" / "loop.py").read_text().lower()
     names = set(objectives.names()) | set(samplers.names()) | set(environments.names())
     names |= {"markovian", "experience", "episode", "shell", "sft", "grpo", "library", "llama", "sandbox"}
     found = sorted(n for n in names if re.search(rf"\b{re.escape(n)}", source))
-    assert not found, f"localrl/trainer.py names {found}"
+    assert not found, f"localrl/training/loop.py names {found}"
 
 
 @pytest.mark.parametrize("kind", ["objective", "sampler", "environment"])
@@ -175,8 +175,8 @@ EVAL_KINDS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(EVAL_KINDS))
 def test_localrl_eval_of_a_run_equals_the_runs_own_final_evaluation(builtin_model, tmp_path, kind):
-    from localrl.evaluate import evaluate_policy
-    from localrl.trainer import resume_config, train
+    from localrl.commands.eval import evaluate_policy
+    from localrl.training.loop import resume_config, train
     from tests.helpers import QUIET, make_tiny_model, small
 
     kw = dict(EVAL_KINDS[kind])

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from localrl.config import TrainConfig
+from localrl.generation.rollout import Rollout, left_pad
 from localrl.modeling import load_base, load_policy, pick_device
-from localrl.shared_prompt import ConcatForward, SharedPromptForward, token_logprobs
-from localrl.rollout import Rollout, left_pad
+from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward, token_logprobs
 from tests.helpers import randomise_lora, rel_err
 
 G = 3
@@ -84,7 +84,7 @@ def test_full_precision_all_parameter_gradients_match(tiny_models, arch):
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_models):
     model, rollout = lora_policy(tiny_models["qwen2"])
     plain = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)
-    from localrl.shared_prompt import enable_checkpointing
+    from localrl.policy.shared_prompt import enable_checkpointing
 
     enable_checkpointing(model)
     checkpointed = logprobs_and_grads(model, rollout, SharedPromptForward, micro_batch=4)
@@ -110,7 +110,7 @@ def test_chunked_logprobs_and_entropy_match_full_softmax():
 def test_one_optimizer_step_updates_the_same_with_and_without_the_prompt_cache(builtin_model, tmp_path):
     from safetensors.torch import load_file
 
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     adapters = []
     for cached in (True, False):
@@ -146,8 +146,8 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
     full batch's (every completion through the loss, divided by all of them) to float rounding. With
     graded rewards (partial credit) a group with a signal can hold a completion of zero advantage, the
     group's mean: the group is still computed."""
-    from localrl.losses import group_advantages, grpo_loss
-    from localrl.grpo import policy_update
+    from localrl.policy.grpo import policy_update
+    from localrl.policy.losses import group_advantages, grpo_loss
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     advantages = group_advantages(torch.tensor(rewards), G).float()
@@ -174,8 +174,8 @@ def test_groups_that_scored_alike_are_skipped_without_changing_the_gradient(tiny
 
 def test_a_step_where_every_group_scored_alike_moves_neither_adapter_nor_optimizer(tiny_models):
     """beta 0 and no signal: an optimizer step would replay Adam's momentum; policy_update takes none."""
-    from localrl.losses import group_advantages
-    from localrl.grpo import policy_update
+    from localrl.policy.grpo import policy_update
+    from localrl.policy.losses import group_advantages
 
     model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
     cfg = TrainConfig(beta=0.0, temperature=1.0).validate()

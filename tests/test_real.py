@@ -57,7 +57,7 @@ def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
 
     from localrl.config import TrainConfig
     from localrl.runs import Run
-    from localrl.trainer import train
+    from localrl.training.loop import train
     from tests.helpers import distinct_chars
 
     cfg = TrainConfig(model=str(real_gguf), steps=1, prompts_per_step=2, group_size=2, max_new_tokens=16,
@@ -196,7 +196,7 @@ def test_a_warm_start_teaches_the_real_model_to_call_the_shell_tool(real_gguf, t
     """Before, SmolLM2-135M answers every held-out task in prose at once; after a few steps on expert episodes
     its greedy episodes call the shell tool (measured here: 0 -> about 1 valid call per episode)."""
     from localrl.config import build_config
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = build_config(None, {"objective": "sft", "model": str(real_gguf), "steps": 4, "prompts_per_step": 8,
                               "eval_size": 8, "run_dir": str(tmp_path / "run"), "save_every": 4})
@@ -214,8 +214,8 @@ def test_the_real_model_judges_training_free_grpo_groups(real_gguf, tmp_path):
     from safetensors.torch import load_file
 
     from localrl.config import TrainConfig
-    from localrl.experience import is_lesson, load_library
-    from localrl.trainer import train
+    from localrl.policy.experience import is_lesson, load_library
+    from localrl.training.loop import train
 
     cfg = TrainConfig(objective="experience", experience_judge=str(real_gguf), experience_judge_tokens=32, steps=1,
                       prompts_per_step=4, group_size=4, max_new_tokens=48, eval_size=0, seed=3,
@@ -234,7 +234,7 @@ def test_the_real_model_judges_training_free_grpo_groups(real_gguf, tmp_path):
 def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
     """A calibration evaluation asks SmolLM2 for a confidence tag; each completion's calibration reward is
     the Brier term of what it stated (-1 where it stated none)."""
-    from localrl.calibration import stated_confidence
+    from localrl.data.calibration import stated_confidence
 
     proc = subprocess.run([sys.executable, "-m", "localrl", "eval", "--model", str(real_gguf), "--eval-size", "6",
                            "--calibration-weight", "1", "--max-new-tokens", "64", "--json"],

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from localrl.data.rewards import (combine, exact_match, extract_answer, format_reward, numeric_match, regex_match,
+                                  resolve_reward, score)
 from localrl.errors import UserError
-from localrl.rewards import (combine, exact_match, extract_answer, format_reward, numeric_match, regex_match,
-                             resolve_reward, score)
 
 
 def test_extract_answer_takes_the_last_tag():
@@ -77,7 +77,7 @@ def length_reward(completions, **columns):
 def test_overlong_punishment_equals_trls():
     from trl.rewards import get_soft_overlong_punishment
 
-    from localrl.rewards import overlong_punishment
+    from localrl.data.rewards import overlong_punishment
 
     ids = [[1] * n for n in range(0, 60)]
     ours = overlong_punishment(48, 16)([""] * len(ids), completion_ids=ids)
@@ -89,7 +89,7 @@ def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
     """The trainer passes each completion's token ids, as TRL does: a reward that reads them sees the
     same lengths the metrics report."""
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     seen = []
 
@@ -110,8 +110,8 @@ def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
 def test_several_rewards_with_weights_are_each_logged(tmp_path):
     """`--reward a,b --reward-weights x,y`: each reward's mean is logged apart, the reward is their weighted sum."""
     from localrl.config import build_config
-    from localrl.rewards import resolve_rewards
-    from localrl.trainer import train
+    from localrl.data.rewards import resolve_rewards
+    from localrl.training.loop import train
     from tests.helpers import QUIET, train_records
 
     cfg = build_config(None, {"reward": "numeric, tests.test_rewards:length_reward, numeric",

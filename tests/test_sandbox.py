@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from localrl import cgroups
-from localrl.tool_calls import parse_tool_calls
+from localrl.agent.tool_calls import parse_tool_calls
+from localrl.envs import cgroups
+from localrl.envs.sandbox import LEVELS, Sandbox, reachable_by_anyone, disk_usage, level_works
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
 from localrl.errors import UserError
-from localrl.sandbox import LEVELS, Sandbox, reachable_by_anyone, disk_usage, level_works
 
 
 def test_runs_in_the_working_directory_with_a_minimal_environment(tmp_path, monkeypatch):
@@ -55,7 +55,7 @@ def unique_seconds() -> str:
 LEVELS_HERE = [pytest.param(level, marks=pytest.mark.skipif(not level_works(level),
                                                            reason=f"isolation level {level} does not work here"))
                for level in LEVELS]
-# What each level claims (localrl/sandbox.py's table): the tests hold every level to its claims
+# What each level claims (localrl/envs/sandbox.py's table): the tests hold every level to its claims
 # and also check that an unclaimed protection is really absent, so the probes can fail.
 CONFINES_WRITES = {"bwrap", "landlock", "unshare"}
 NO_NETWORK = {"bwrap", "landlock", "unshare"}

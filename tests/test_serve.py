@@ -397,7 +397,7 @@ def test_terminal_chat_with_a_torch_model(builtin_model):
 
 
 def test_torch_chat_streams_the_greedy_reply_piece_by_piece(builtin_model):
-    from localrl.chat import open_chat_model
+    from localrl.serving.chat import open_chat_model
 
     model = open_chat_model(str(builtin_model))
     messages = [{"role": "user", "content": "What is 12 + 34?"}]
@@ -551,7 +551,7 @@ def _reference_depth(value) -> int:
 
 
 def test_json_depth_equals_the_parsed_documents_depth():
-    from localrl.serve import json_depth
+    from localrl.serving.serve import json_depth
 
     rng = random.Random(0)
     alphabet = '[]{}"\\ax\n\u00e9'  # strings full of what the scan must see through: brackets, quotes, escapes
@@ -688,7 +688,7 @@ def test_insecure_serves_without_a_key_with_a_warning(tmp_path):
 
 
 def test_loopback_is_told_apart():
-    from localrl.serve import is_loopback, served_hosts
+    from localrl.serving.serve import is_loopback, served_hosts
 
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LocalHost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "", "192.168.1.5", "::ffff:192.0.2.1", "localhost.evil.example"]))
@@ -736,7 +736,7 @@ def test_a_long_terminal_chat_drops_its_oldest_turns_and_says_so_once(builtin_mo
     """With the built-in model (a context of 256 tokens) the third message used to end the program."""
     import io
 
-    from localrl import chat
+    from localrl.serving import chat
 
     replies, opened = [], chat.open_chat_model
 

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from localrl.envs.sandbox import LEVELS as LEVELS_SANDBOX, level_works
 from localrl.envs.shell import WORKDIR_PREFIX, ShellEnv, expert_call, generated_tasks, solve, task_list
 from localrl.envs.shell_tasks import COMMON_NAMES, EXAMPLE_NAMES, FAMILIES, LEVELS, Check, Names, ShellTask, \
     generate, held_out_tasks, load_tasks, name_side, rename, sample_tasks
 from localrl.errors import UserError
-from localrl.sandbox import LEVELS as LEVELS_SANDBOX, level_works
 
 CELLS = [(f, lv) for f in FAMILIES for lv in LEVELS]
 

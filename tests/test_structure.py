@@ -69,7 +69,7 @@ def test_the_graph_reader_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
-    assert "localrl.runs" in graph["localrl.trainer"] and "localrl.quant.gguf_writer" in graph["localrl.quant.export"]
+    assert "localrl.runs" in graph["localrl.training.loop"] and "localrl.quant.gguf_writer" in graph["localrl.quant.export"]
 
 
 def test_no_import_cycles():
@@ -77,21 +77,73 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle)
 
 
+# The layers of the package, bottom to top; a module imports only from its own layer or the ones below.
+LAYERS = [
+    # the foundation: config, errors, the run directory, model loading, the planner, GGUF in and out
+    ("localrl", "localrl.errors", "localrl.atomic", "localrl.registry", "localrl.config", "localrl.runs",
+     "localrl.metrics", "localrl.modeling", "localrl.memory", "localrl.distributed", "localrl.models",
+     "localrl.models.shapes", "localrl.quant"),
+    # building blocks: prompt data and rewards, token generation, the update's maths, environments and the
+    # sandbox, the agent's protocol and session, held-out scoring and plots
+    ("localrl.data", "localrl.generation", "localrl.policy", "localrl.envs", "localrl.agent", "localrl.evaluation"),
+    ("localrl.samplers",),
+    ("localrl.objectives",),  # objectives drive samplers
+    ("localrl.training",),  # the loop drives objectives
+    # what a user runs: the commands, benchmarks, serving, the baselines, building the built-in models
+    ("localrl.commands", "localrl.benchmarks", "localrl.serving", "localrl.baselines", "localrl.models.build",
+     "localrl.models.recipe", "localrl.models.shell_recipe"),
+    ("localrl.tui",),  # the terminal UI (it runs training as a `localrl train` subprocess)
+    ("localrl.cli", "localrl.__main__"),  # the command line: the one importer of the UI
+]
+# the one arrow that points up, and why: config validates --env against the environments' registry (its
+# package module holds only the registry and the protocol)
+UPWARD = {("localrl.config", "localrl.envs")}
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: that of the longest prefix named in LAYERS."""
+    best, rank = "", None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+                best, rank = name, i
+    assert rank is not None, f"{module} is in no layer of tests/test_structure.py's LAYERS"
+    return rank
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if layer_of(d) > layer_of(m) and (m, d) not in UPWARD)
+
+
 def test_import_arrows_point_down():
     graph = import_graph()
+    up = upward(graph)
+    assert not up, "imports that point up a layer:\n" + "\n".join(up)
     importers = lambda target: {m for m, deps in graph.items() if any(d == target or d.startswith(target + ".")
                                                                       for d in deps)}
-    # the UI is on top: only the CLI starts it; training code never imports it
+    # the UI is on top: only the CLI starts it
     assert {m for m in importers("localrl.tui") if not m.startswith("localrl.tui")} == {"localrl.cli"}
     assert importers("localrl.cli") == {"localrl.__main__"}
-    # the bottom layer imports nothing above it
-    for low in ("localrl.runs", "localrl.losses", "localrl.rewards", "localrl.config", "localrl.metrics",
-                "localrl.models"):
-        above = {d for d in graph[low] if d.startswith(("localrl.trainer", "localrl.cli", "localrl.tui",
-                                                        "localrl.chat", "localrl.serve", "localrl.quant"))}
-        assert not above, f"{low} imports {above}"
     # built-in models do not pull in training code when imported
     assert graph["localrl.models"] == set()
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    assert layer_of("localrl.policy.grpo") < layer_of("localrl.samplers.completions") < layer_of("localrl.training.loop")
+    assert layer_of("localrl.models.build") > layer_of("localrl.models") == 0
+    planted = {"localrl.policy.grpo": {"localrl.samplers.completions", "localrl.config"},
+               "localrl.config": {"localrl.envs"}, "localrl.runs": {"localrl.data"}}
+    assert upward(planted) == ["localrl.policy.grpo -> localrl.samplers.completions", "localrl.runs -> localrl.data"]
+
+
+def test_every_package_is_installed():
+    """A package folder missing from pyproject's list works in an editable install and is absent from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert packages == listed, (packages - listed, listed - packages)
 
 
 PLUGIN_PACKAGES = ("localrl.objectives", "localrl.samplers", "localrl.envs")
@@ -103,9 +155,9 @@ def test_the_loop_reaches_plugins_only_through_their_registries():
     graph = import_graph()
     plugin_modules = {m for m in graph if m.startswith(tuple(p + "." for p in PLUGIN_PACKAGES))}
     assert plugin_modules >= {"localrl.objectives.grpo", "localrl.samplers.completions", "localrl.envs.shell"}
-    assert not graph["localrl.trainer"] & plugin_modules, graph["localrl.trainer"] & plugin_modules
+    assert not graph["localrl.training.loop"] & plugin_modules, graph["localrl.training.loop"] & plugin_modules
     for m in plugin_modules | set(PLUGIN_PACKAGES):
-        above = {d for d in graph[m] if d.startswith(("localrl.trainer", "localrl.cli", "localrl.tui"))}
+        above = {d for d in graph[m] if d.startswith(("localrl.training.loop", "localrl.cli", "localrl.tui"))}
         assert not above, f"{m} imports {above}"
         if m.startswith("localrl.samplers"):
             assert not {d for d in graph[m] if d.startswith("localrl.objectives")}, m

@@ -16,7 +16,7 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.metrics import read_metrics
 from localrl.runs import Run
-from localrl.trainer import resume_config, train
+from localrl.training.loop import resume_config, train
 from tests.helpers import QUIET, small, train_records
 
 @pytest.mark.slow
@@ -148,10 +148,10 @@ def test_a_saved_checkpoint_restores_the_trained_adapter_exactly(builtin_model, 
     same logits, the same optimizer state (and a fresh policy's logits differ, so the check has teeth)."""
     import torch
 
+    from localrl.data import load_task
+    from localrl.data.rewards import default_rewards
+    from localrl.generation.rollout import stop_token_ids
     from localrl.modeling import load_policy, pick_device
-    from localrl.rewards import default_rewards
-    from localrl.rollout import stop_token_ids
-    from localrl.tasks import load_task
     from localrl.objectives.grpo import step_on_task
 
     cfg = small(tmp_path / "run", steps=2)
@@ -226,7 +226,7 @@ def test_groups_alike_but_not_all_solved_point_at_cold_sampling(builtin_model, t
 
 
 def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
-    from localrl.evaluate import evaluate_policy
+    from localrl.commands.eval import evaluate_policy
 
     result = evaluate_policy(TrainConfig(eval_size=6, eval_batch_size=6).validate(), samples=2)
     assert result["n"] == 6 and len(result["samples"]) == 2
@@ -239,7 +239,7 @@ def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(b
     """The llama.cpp backend (auto on a CPU with llama-cpp-python): its samples are the torch policy's to
     within f16 rounding (importance weights near 1), a resumed run repeats an uninterrupted one, and its
     held-out evaluation (decoded by llama.cpp, in batches of at most its 16 rows) is torch's."""
-    from localrl.evaluate import evaluate_policy
+    from localrl.commands.eval import evaluate_policy
 
     full = train(small(tmp_path / "full", steps=4, rollout="llama.cpp", eval_size=20), **QUIET)
     part = train(small(tmp_path / "part", steps=2, rollout="llama.cpp"), **QUIET)

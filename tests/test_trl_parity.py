@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from localrl.config import LOSS_TYPES, TrainConfig
-from localrl.losses import group_advantages
+from localrl.generation.rollout import Rollout, left_pad
 from localrl.modeling import load_policy, pick_device
-from localrl.rollout import Rollout, left_pad
-from localrl.grpo import policy_update
+from localrl.policy.grpo import policy_update
+from localrl.policy.losses import group_advantages
 
 G, R, TEMPERATURE = 4, 9, 0.7
 
@@ -218,7 +218,7 @@ def _trl_loss(trainer, s, logp, old, ref, mask, adv, weights, entropies, quantil
 
 
 def _localrl_loss(s, logp, old, ref, mask, adv, weights, entropies, quantile=1.0, entropy_coef=0.0):
-    from localrl.losses import grpo_loss, high_entropy_mask, high_entropy_threshold, loss_normalizer
+    from localrl.policy.losses import grpo_loss, high_entropy_mask, high_entropy_threshold, loss_normalizer
 
     leaf, ent = logp.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
     selected = high_entropy_mask(ent.detach(), mask, high_entropy_threshold(ent.detach(), mask, quantile)) \
@@ -232,7 +232,7 @@ def _localrl_loss(s, logp, old, ref, mask, adv, weights, entropies, quantile=1.0
 
 
 def _cases():
-    from localrl.losses import LossSettings
+    from localrl.policy.losses import LossSettings
 
     cases = []
     for loss_type in LOSS_TYPES:
@@ -264,7 +264,7 @@ def test_every_loss_and_option_equals_trls_formula(trl_trainer, settings, sample
 
 def test_the_options_change_the_loss_where_they_should():
     """Each option changes the gradient on these inputs (else the parity cases could not tell it was ignored)."""
-    from localrl.losses import LossSettings
+    from localrl.policy.losses import LossSettings
 
     logp, old, ref, mask, adv, _, entropies = _inputs()
     grad = lambda **kw: _localrl_loss(LossSettings(**kw), logp, old, ref, mask, adv, None, entropies)[1]  # noqa: E731
@@ -281,7 +281,7 @@ def test_the_options_change_the_loss_where_they_should():
                          ids=["top-entropy", "entropy-bonus", "all-three", "off-policy-mask"])
 def test_entropy_controls_and_the_off_policy_mask_equal_trls(trl_trainer, loss_type, quantile, entropy_coef,
                                                               off_policy):
-    from localrl.losses import LossSettings
+    from localrl.policy.losses import LossSettings
 
     logp, old, ref, mask, adv, _, entropies = _inputs()
     s = LossSettings(loss_type, beta=0.04, off_policy_mask_threshold=off_policy,

@@ -131,7 +131,7 @@ def exploding_reward(completions, **columns):
 
 def test_attach_watches_a_run_started_elsewhere(tmp_path):
     from localrl.config import TrainConfig
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(model="tiny-arith-conf", calibration_weight=1.0, steps=2, prompts_per_step=2, group_size=2,
                       eval_size=8, run_dir=str(tmp_path / "run"))
@@ -159,7 +159,7 @@ def test_attach_survives_every_record_of_runs_whose_kl_is_null(tmp_path, fields)
     from localrl.config import TrainConfig
     from localrl.metrics import read_metrics
     from localrl.runs import Run
-    from localrl.trainer import train
+    from localrl.training.loop import train
 
     cfg = TrainConfig(**{"steps": 2, "prompts_per_step": 2, "group_size": 2, "eval_size": 4,
                          "run_dir": str(tmp_path / "run"), **fields})
@@ -362,7 +362,7 @@ def test_always_remembers_a_prefix_for_the_directory_and_dangerous_lines_are_sti
     transcript = run(go())
     assert (work / "log.txt").read_text() == "one\ntwo\n"
     assert any(e["content"].startswith("allowed without asking: you always allow `echo` here") for e in transcript)
-    from localrl.approvals import Approvals
+    from localrl.agent.approvals import Approvals
 
     assert Approvals(work, tmp_path / "data" / "approvals.json").decide("echo x")[0] == "allow"
 

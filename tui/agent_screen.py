@@ -1,11 +1,11 @@
 """The Agent screen: the model works in a shell, one approved command at a time.
 
 The loop (a thread worker): the model replies; each ``<tool_call>`` it makes is checked against
-the working directory's remembered decisions (``localrl.approvals``: prefixes always allowed or
+the working directory's remembered decisions (``localrl.agent.approvals``: prefixes always allowed or
 always denied, deny winning; dangerous lines always asked) and otherwise shown for the user to
 approve (as is, or edited), reject, or answer for good ("Always" allows the command's first
 word in this directory from now on, "Never" denies it). Approved commands run in
-``localrl.sandbox`` at the strongest isolation the machine has (shown in the status line); the
+``localrl.envs.sandbox`` at the strongest isolation the machine has (shown in the status line); the
 result, or the refusal, goes back to the model as the next turn, as in training. "Approve all"
 (off by default) skips the question for the rest of the session, except for dangerous lines.
 A built-in agent (tiny-shell, a run of it, or its GGUF) gets no system message, as in its
@@ -25,11 +25,11 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, Static, Switch
 from textual.worker import get_current_worker
 
-from localrl.tool_calls import parse_tool_calls, system_message, tool_response
-from localrl.agent_session import agent_system
-from localrl.approvals import Approvals
+from localrl.agent.approvals import Approvals
+from localrl.agent.session import agent_system
+from localrl.agent.tool_calls import parse_tool_calls, system_message, tool_response
+from localrl.envs.sandbox import Sandbox
 from localrl.errors import UserError
-from localrl.sandbox import Sandbox
 from localrl.tui.widgets import Message, save_record
 
 MAX_TURNS = 8  # model replies per task, so a model that never stops calling tools does stop

@@ -13,9 +13,9 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.reactive import reactive
 
-from localrl.chat import ChatModel
 from localrl.errors import UserError
 from localrl.runs import Run
+from localrl.serving.chat import ChatModel
 from localrl.tui.agent_screen import AgentScreen
 from localrl.tui.chat_screen import ChatScreen
 from localrl.tui.train_screen import TrainScreen
@@ -68,7 +68,7 @@ class LocalRLApp(App):
 
     @work(thread=True, exclusive=True, group="load-model")
     def load_model(self, source: str) -> None:
-        from localrl.chat import open_chat_model
+        from localrl.serving.chat import open_chat_model
 
         source = source.strip()
         if not source:

@@ -19,8 +19,8 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Header, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from localrl.chat import stream_fitted
 from localrl.runs import newest_run
+from localrl.serving.chat import stream_fitted
 from localrl.tui.widgets import Message, save_record
 
 

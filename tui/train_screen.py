@@ -64,7 +64,7 @@ def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainCo
     """(``localrl train`` arguments, the run config) for the form's fields followed by its extra
     flags (which win, as later flags do on the command line), checked as ``localrl train``
     checks them (config.parse_overrides, then the trainer's preflight), before any weights load."""
-    from localrl.trainer import preflight
+    from localrl.training.loop import preflight
 
     try:
         extra = shlex.split(flags)

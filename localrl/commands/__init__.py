@@ -1,2 +1,57 @@
-"""The commands whose work is more than parse-and-call, one module each; ``localrl.cli`` parses the command
-line and calls them. None of them imports the CLI or the terminal UI."""
+"""One module per ``localrl`` command (a command's flags checked, the library called, the result printed);
+``localrl.cli`` parses the command line and dispatches here. Helpers every command shares are below. No command
+imports the CLI or the terminal UI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from localrl.errors import UserError
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # optional-kernel notices on every import
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # per-retry network noise
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main_rank() -> bool:
+    """Whether this process speaks for the run: always, unless torchrun launched it as a rank other than 0."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
+
+
+def check_png_path(path: str, what: str) -> None:
+    """A PNG to be written after minutes of work: refuse a path that cannot be one before starting."""
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"{what} {path}: must be a .png file")
+    if out.is_dir():
+        raise UserError(f"{what} {path}: is a directory")
+    if not out.parent.is_dir():
+        raise UserError(f"{what} {path}: no such directory {out.parent}")
+
+
+def one_line(text, width: int = 200) -> str:
+    text = text if isinstance(text, str) else " | ".join(m["content"] for m in text)
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def replaceable_dir(out: Path, command: str, marker: str, what: str) -> Path:
+    """``out`` for a command that replaces it whole: refused if it is a file, or a directory with files but
+    without ``marker`` (the file that says the command wrote it)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{command} --out {out}: is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise UserError(f"{command} --out {out}: holds files that are not {what}; it would replace "
+                        f"them (choose an empty or new directory)")
+    return out

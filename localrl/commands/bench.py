@@ -1,5 +1,5 @@
 """``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
-function in ``localrl.bench`` (``localrl.bench_memory`` for ``bench memory``)."""
+function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 from localrl.errors import UserError
 
 
-def run(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     """`localrl bench WHAT`: each benchmark's flags checked (one line naming what is wrong), then run."""
-    from localrl.bench import (MODEL_SHAPES, PROMPT_CACHE_SHAPES, bench_export, bench_grpo_step,
-                               bench_prompt_cache, export_quants)
+    from localrl.benchmarks.side_by_side import (MODEL_SHAPES, PROMPT_CACHE_SHAPES, bench_export, bench_grpo_step,
+                                                 bench_prompt_cache, export_quants)
     from localrl.modeling import pick_device
 
     shape = MODEL_SHAPES[args.model_size]
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return _bench_memory(args)
     prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
     if args.what == "agent-step":
-        from localrl.bench import bench_agent_step
+        from localrl.benchmarks.side_by_side import bench_agent_step
 
         if args.prompt_len is not None or args.completion_len is not None or args.model_size != "full":
             raise UserError("bench agent-step: takes --model, --prompts, --group and --repeats")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(result))
         return 0
     if args.what == "distributed":
-        from localrl.bench import bench_distributed
+        from localrl.benchmarks.side_by_side import bench_distributed
 
         if args.prompt_len is not None or args.model_size != "full":
             raise UserError("bench distributed: takes --model, --prompts, --group, --completion-len and --repeats")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(result))
         return 0
     if args.what == "rollout":
-        from localrl.bench import bench_rollout, real_model_gguf
+        from localrl.benchmarks.side_by_side import bench_rollout, real_model_gguf
 
         model = args.model or real_model_gguf()
         if model is None:
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench_memory(args: argparse.Namespace) -> int:
     from dataclasses import replace as with_
 
-    from localrl.bench_memory import DEFAULT_CASES, MemoryCase, bench_memory
+    from localrl.benchmarks.memory_phases import DEFAULT_CASES, MemoryCase, bench_memory
 
     if args.model_size != "full":
         raise UserError("bench memory: takes --model, --budget, --quantize, --prompts, --group, --prompt-len, "

@@ -9,13 +9,14 @@ agent loop and SkyRL's ``BaseTextEnv`` users know:
     env.close()                             # remove what the episode made
 
 ``reset(seed)`` makes the episode reproducible: the same seed gives the same task and the same
-starting state. The rollout loop (``localrl/agent_rollout.py``) owns the chat template, the
+starting state. The rollout loop (``localrl/generation/agent_rollout.py``) owns the chat template, the
 token masks and the model; an environment sees and returns text only.
 
 An environment is a plug-in, registered by name (``--env NAME``) or named as
 ``package.module:function``: a function of the run's config that returns an ``EnvSetup`` (its
 task source, held-out tasks, a factory of episodes, the system message, what each step record
-carries). The sandboxed shell (``localrl.envs.shell``) is one such registration.
+carries). The sandboxed shell (``localrl.envs.shell``) is one such registration; its tasks
+(``shell_tasks``) and the sandbox under it (``sandbox``, ``confine``, ``cgroups``) live beside it.
 """
 
 from __future__ import annotations

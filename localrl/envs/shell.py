@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrl.tool_calls import parse_tool_calls
+from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, task_list
-from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks,
-                                      load_tasks, sample_tasks)
+from localrl.envs.sandbox import Sandbox, level_works, strongest_level
+from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
+                                      sample_tasks)
 from localrl.errors import UserError, failure_line
-from localrl.sandbox import Sandbox, level_works, strongest_level
 
 TaskSource = Callable[[int], ShellTask]  # seed -> task
 WORKDIR_PREFIX = "localrl-shell-"  # then the owning process's pid: stale ones are swept
@@ -217,8 +217,8 @@ def shell_environment(cfg) -> EnvSetup:
     """The sandboxed shell: the built-in task generator (``env_families``, ``env_levels``) or the user's tasks
     (``env_tasks``: a JSONL file or module:function, whose verifiers are probed here), the strongest sandbox
     isolation that works (or ``isolation``'s, checked), the agent's system message."""
-    from localrl.tool_calls import system_message
-    from localrl.agent_session import agent_system
+    from localrl.agent.session import agent_system
+    from localrl.agent.tool_calls import system_message
     from localrl.config import split_list
 
     if cfg.isolation == "auto":

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.config import SHELL_FAMILIES
+from localrl.data.jsonl import json_objects
+from localrl.data.rewards import exact_match, numeric_match
 from localrl.errors import UserError, failure_line, user_callable
-from localrl.rewards import exact_match, numeric_match
-from localrl.tasks.jsonl import json_objects
 
 FAMILIES = SHELL_FAMILIES
 LEVELS = (1, 2, 3)

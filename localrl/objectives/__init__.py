@@ -1,4 +1,4 @@
-"""Objectives: what a training step optimises. The loop (``localrl.trainer.train``) owns the run (its
+"""Objectives: what a training step optimises. The loop (``localrl.training.loop.train``) owns the run (its
 directory, resume, evaluations, checkpoints, signals, ranks, monitors, metrics) and asks the objective
 named by ``cfg.objective`` for everything else:
 
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from localrl.data.monitors import length_correlation
 from localrl.memory import peak_memory_mb
-from localrl.monitors import length_correlation
 from localrl.registry import Registry
 
 if TYPE_CHECKING:

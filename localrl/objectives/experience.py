@@ -1,4 +1,4 @@
-"""Training-free GRPO as an objective (the library, its edits and the judge are ``localrl.experience``): each
+"""Training-free GRPO as an objective (the library, its edits and the judge are ``localrl.policy.experience``): each
 step samples and scores the groups of its prompts with the library's lessons in the system message, then
 lets the judge edit the library after each group whose completions part into right and wrong. No weight
 changes. The library is the run's state: written after every step, kept with every checkpoint, and given
@@ -11,9 +11,10 @@ import time
 from dataclasses import replace
 
 from localrl.errors import UserError
-from localrl.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
-                                initial_library, judge_load, judge_request, parse_edits, question_text, reply_start)
 from localrl.objectives import Objective, StepContext, objectives, step_record
+from localrl.policy.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
+                                       initial_library, judge_load, judge_request, parse_edits, question_text,
+                                       reply_start)
 
 
 @objectives.register("experience")

@@ -1,5 +1,5 @@
 """GRPO over any sampler: a step samples a scored batch (prompt completions, Markovian traces or an
-environment's episodes), then updates the adapter on it (``localrl.grpo.update``: group-relative
+environment's episodes), then updates the adapter on it (``localrl.policy.grpo.update``: group-relative
 advantages, the clipped loss of the configured type, + beta x KL to the reference, ``num_iterations``
 AdamW steps). With beta 0, groups whose completions all scored alike are left out of the update (their
 gradient is exactly zero); a step in which every group did updates nothing.
@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 
 from localrl.config import TrainConfig
-from localrl.grpo import update
 from localrl.objectives import Objective, StepContext, objectives, step_record
-from localrl.reference import Reference
+from localrl.policy.grpo import update
+from localrl.policy.reference import Reference
 
 
 @dataclass

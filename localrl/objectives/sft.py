@@ -1,4 +1,4 @@
-"""Supervised warm start as an objective (the demonstrations and the loss are ``localrl.sft``): each step plays
+"""Supervised warm start as an objective (the demonstrations and the loss are ``localrl.policy.sft``): each step plays
 the environment's expert on ``prompts_per_step`` training tasks (a pure function of (seed, step)), keeps the
 episodes its verifier scores 1, and takes one AdamW step on their mean negative log-likelihood. It samples
 nothing; the run's held-out evaluations play the model's own greedy episodes, as any run in an environment
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from localrl.agent_rollout import TurnFormat
+from localrl.envs import task_seeds
 from localrl.errors import UserError
-from localrl.grpo import batch_plan
+from localrl.generation.agent_rollout import TurnFormat
 from localrl.memory import peak_memory_mb
 from localrl.objectives import Objective, StepContext, objectives
-from localrl.envs import task_seeds
-from localrl.sft import demo_rollout, end_of_turn, expert_demos, nll_step
+from localrl.policy.grpo import batch_plan
+from localrl.policy.sft import demo_rollout, end_of_turn, expert_demos, nll_step
 
 
 @objectives.register("sft")

@@ -25,9 +25,9 @@ from localrl.registry import Registry
 
 if TYPE_CHECKING:
     from localrl.config import TrainConfig
+    from localrl.data.rewards import RewardFn
     from localrl.distributed import World
-    from localrl.rewards import RewardFn
-    from localrl.rollout import Rollout
+    from localrl.generation.rollout import Rollout
 
 samplers = Registry("sampler", "objective", "localrl.samplers")
 DEFAULT = "completions"

@@ -18,15 +18,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from localrl.data import Task, check_reward, load_task, system_prompt
+from localrl.data.monitors import reward_shares
+from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, score
 from localrl.distributed import world
 from localrl.errors import UserError
-from localrl.evaluate import columns_of, evaluate
-from localrl.monitors import reward_shares
-from localrl.rewards import combine, config_rewards, overlong_punishment, reward_names, score
-from localrl.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions, encode_prompts,
-                             group_generators, sample_in_chunks)
+from localrl.evaluation.evaluate import columns_of, evaluate
+from localrl.generation.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions,
+                                        encode_prompts, group_generators, sample_in_chunks)
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
-from localrl.tasks import Task, check_reward, load_task, system_prompt
 
 
 @samplers.register("completions")
@@ -143,7 +143,7 @@ class Completions(Sampler):
 
     def start(self, model, tok, budget) -> None:
         if self.backend == "llama.cpp":
-            from localrl.llama_rollout import LlamaCppRollout
+            from localrl.generation.llama_rollout import LlamaCppRollout
 
             self.llama = LlamaCppRollout(self.model_path, tok, self.cfg.prompts_per_step * self.cfg.group_size,
                                          self.longest + self.cfg.max_new_tokens, log=lambda *_: None)
@@ -239,7 +239,7 @@ class Completions(Sampler):
 
     def evaluate(self, model, tok, progress=None, batch_size: int = 64, system=lambda s: s, samples: int = 0,
                  stops: list[int] | None = None) -> dict:
-        from localrl.rollout import stop_token_ids
+        from localrl.generation.rollout import stop_token_ids
 
         self._overlong_budget(self.cfg.max_new_tokens)  # the held-out evaluation decodes up to max_new_tokens
         stops = stops if stops is not None else stop_token_ids(tok, model)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from localrl.agent_rollout import TurnFormat, run_episodes, trajectory_budget
 from localrl.envs import EnvSetup, environment_for, task_list, task_seeds
 from localrl.errors import UserError
+from localrl.generation.agent_rollout import TurnFormat, run_episodes, trajectory_budget
 from localrl.metrics import item_progress
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
 
@@ -95,7 +95,7 @@ class Episodes(Sampler):
                  system=lambda s: s, samples: int = 0, stops: list[int] | None = None) -> dict:
         """Greedy episodes of every held-out task: success rate (reward 1) overall and per family, each with
         a 95% Wilson interval, the mean reward, turns, tool calls and invalid calls per episode."""
-        from localrl.rollout import stop_token_ids
+        from localrl.generation.rollout import stop_token_ids
 
         cfg, setup = self.cfg, self.setup
         stops = stops if stops is not None else stop_token_ids(tok, model)

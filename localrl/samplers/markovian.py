@@ -1,4 +1,4 @@
-"""Markovian traces (Delethink; the chunking itself is ``localrl.markovian``): each completion is reasoned in
+"""Markovian traces (Delethink; the chunking itself is ``localrl.generation.markovian``): each completion is reasoned in
 chunks of ``markovian_chunk`` tokens whose context is rebuilt at every boundary. Selected by
 ``markovian_chunk > 0``.
 
@@ -14,11 +14,11 @@ import time
 
 import torch
 
+from localrl.data.rewards import combine, reward_names, score
 from localrl.errors import UserError
-from localrl.evaluate import columns_of
-from localrl.markovian import sample_markovian, trace_rollout
-from localrl.rewards import combine, reward_names, score
-from localrl.rollout import Rollout, completion_token_ids, decode_completions, encode_prompts
+from localrl.evaluation.evaluate import columns_of
+from localrl.generation.markovian import sample_markovian, trace_rollout
+from localrl.generation.rollout import Rollout, completion_token_ids, decode_completions, encode_prompts
 from localrl.samplers import Batch, ModelInfo, samplers
 from localrl.samplers.completions import Completions
 

@@ -1,0 +1,47 @@
+"""``localrl plot`` and ``localrl analyze``: a run's learning curve, and ScaleRL's fit of reward against compute
+for one or more runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from localrl.commands import check_png_path
+from localrl.commands.progress import ProgressBar
+from localrl.errors import UserError
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from localrl.evaluation.plot import plot_run
+
+    out = plot_run(args.run, args.out or Path(args.run) / "learning_curve.png", args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from localrl.evaluation.analyze import analyze_run, describe, plot_curves
+
+    if not 10 <= args.samples <= 100_000:
+        raise UserError(f"analyze: --samples must be at {'least 10' if args.samples < 10 else 'most 100,000'} "
+                        f"(got {args.samples})")
+    out = args.out or str(Path(args.runs[0]) / "scaling.png")  # beside the run's other plots, as `plot` writes
+    check_png_path(out, "analyze --out")  # before the fits, not after them
+    bar = ProgressBar(0)
+    try:
+        curves = [analyze_run(run, args.metric, args.compute, args.samples,
+                              lambda done, total, run=run: bar({"kind": "status", "label": f"fit {Path(run).name}",
+                                                                "done": done + 1, "total": total}))
+                  for run in args.runs]
+    finally:
+        bar.close()
+    for curve in curves:
+        print(describe(curve, args.metric, args.compute))
+    out = plot_curves(curves, out, args.metric, args.compute)
+    print(f"wrote {out}")
+    if args.json:
+        print(json.dumps([{"run": c.name, "r0": c.fit.r0, "a": c.fit.a, "b": c.fit.b, "c_mid": c.fit.c_mid,
+                           "rms": c.fit.rms, "intervals": c.intervals, "predicted_end": c.predicted_end,
+                           "compute_end": c.compute_planned} for c in curves]))
+    return 0

@@ -1,0 +1,60 @@
+"""``localrl models list | build NAME | shape NAME``: the built-in models and the random-weight shapes."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from localrl.commands import replaceable_dir
+from localrl.errors import UserError
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from localrl.models import ROOT, builtin_names
+
+    if args.action == "list":
+        for name in builtin_names():
+            built = (ROOT / name / "config.json").is_file()
+            print(f"{name}\t{ROOT / name}\t{'built' if built else 'not built'}")
+        from localrl.models.shapes import SHAPES
+
+        for name, shape in SHAPES.items():
+            print(f"{name}\tshape only (localrl models shape {name} --out DIR)\t{shape.published_params / 1e9:.2f}B")
+        return 0
+    if args.action == "shape":
+        return _models_shape(args)
+    from dataclasses import replace
+
+    from localrl.models.build import RECIPES, build
+
+    if args.name not in RECIPES:
+        raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
+    recipe = RECIPES[args.name]
+    if args.seed is not None:
+        recipe = replace(recipe, seed=args.seed)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UserError(f"models build --steps: must be at least 1 (got {args.steps})")
+        recipe = replace(recipe, steps=args.steps)
+    out = replaceable_dir(Path(args.out) if args.out else ROOT / args.name, "models build", "recipe.json",
+                           "a built model")
+    t0 = time.time()
+    build(out, recipe)
+    print(f"wrote {out} in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _models_shape(args: argparse.Namespace) -> int:
+    from localrl.models.shapes import find_shape, shape_names, write_shape
+
+    if args.name == "tiny-arith":  # the positional's default: a shape must be named
+        raise UserError(f"models shape: name a shape ({', '.join(shape_names())})")
+    find_shape(args.name)
+    if not args.out:
+        raise UserError("models shape: --out DIR is required (where the model directory is written)")
+    out = replaceable_dir(Path(args.out), "models shape", "shape.json", "a shape model")
+    t0 = time.time()
+    write_shape(args.name, out, args.tokenizer, args.seed or 0)
+    print(f"wrote {out} in {time.time() - t0:.0f}s")
+    return 0

@@ -1,0 +1,52 @@
+"""``localrl plan``: a step's (or, with ``--budget``, a whole run's) predicted peak memory from a model's
+config.json alone, as ``localrl train --memory-budget`` plans it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from localrl.errors import UserError
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from localrl.config import TrainConfig
+    from localrl.memory import MemoryBudget, choose_4bit, parse_bytes, plan_step, read_shape
+
+    if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
+        raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
+    if args.budget:
+        parse_bytes(args.budget, "budget", "plan: --budget")
+    shape = read_shape(args.model)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_bytes = 2 if device == "cuda" else 4
+    quantize = "none" if args.no_4bit else args.quantize
+    cfg = TrainConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.completion_len,
+                      lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget).validate()
+    if not args.budget:  # the update alone, as configured: no budget, not this machine's free memory
+        cfg = replace(cfg, eval_size=0)
+    in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(device)) if args.budget else (
+        quantize == "nf4" or (quantize == "auto" and device == "cuda"), f"quantize = {quantize}")
+    print(f"base: {why}")
+    print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
+          f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
+          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}"
+          + (" (this machine's device; --device cuda plans for a GPU)" if args.device == "auto" and device == "cpu"
+             else ""))
+    if not args.budget:
+        print(plan_step(shape, args.prompts, args.group, args.prompt_len, args.completion_len, None, args.lora_rank,
+                        in_4bit, dtype_bytes).describe())
+        return 0
+    # the whole run under the budget, as `localrl train --memory-budget` plans it
+    run = MemoryBudget(shape, cfg, torch.device(device), in_4bit)
+    plan = run.plan(args.prompt_len, args.completion_len)
+    print(plan.describe())
+    try:
+        run.check(args.prompt_len, args.completion_len)
+    except UserError as e:
+        print("DOES NOT FIT: " + str(e).removeprefix("config field memory_budget: "))
+        return 1
+    print("\n".join(run.describe(args.prompt_len, args.completion_len)))
+    return 0

@@ -1,0 +1,60 @@
+"""``localrl serve``, ``localrl chat`` and ``localrl agent``: working with a model once it is trained."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from localrl.commands import quiet_libraries
+from localrl.errors import UserError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from localrl.serving.serve import api_key_from, serve
+
+    key = api_key_from(args.api_key, args.api_key_file)
+    if args.api_key is not None:
+        print("localrl: warning: --api-key is visible to other users in the process list; prefer --api-key-file "
+              "PATH or the LOCALRL_API_KEY environment variable", file=sys.stderr)
+    serve(args.gguf, args.host, args.port, key, args.n_ctx, max_body_bytes=args.max_body_bytes,
+          cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), insecure=args.insecure)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localrl.serving.chat import terminal_chat
+
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"chat --temperature: must be a finite number, 0 (greedy) or more (got {args.temperature})")
+    if args.n_ctx < 0 or args.max_tokens < 1:
+        raise UserError("chat: --n-ctx must be 0 (the model's training context) or more, --max-tokens at least 1")
+
+    system = args.system
+    if args.experience:  # a training-free GRPO run's lessons, after the system message
+        from localrl.policy.experience import load_library
+
+        system = load_library(args.experience).system(system)
+    source = args.source or args.experience
+    if source is None:
+        raise UserError("chat: name a model (FILE.gguf, run directory, model) or --experience RUN_DIR")
+    terminal_chat(source, args.n_ctx, args.max_tokens, system, args.temperature)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from localrl.agent.session import agent_system, check_workdir, run_agent, terminal_ask
+    from localrl.serving.chat import open_chat_model
+
+    check_workdir(args.workdir, args.force_workdir)
+    if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
+        raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
+    system = agent_system(args.system, args.source)
+    quiet_libraries()
+    model = open_chat_model(args.source, args.n_ctx)
+    try:
+        run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
+                  timeout=args.timeout, system=system, force_workdir=args.force_workdir)
+    finally:
+        model.close()
+    return 0

@@ -1,0 +1,51 @@
+"""``localrl train`` and ``localrl sft``: a config from TOML, flags or a run to resume, the run with a progress
+display, the held-out result before and after."""
+
+from __future__ import annotations
+
+import argparse
+
+from localrl.commands import main_rank, quiet_libraries
+from localrl.commands.progress import ProgressBar
+from localrl.config import build_config
+
+
+def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
+    quiet_libraries()
+    from localrl.training.loop import resume_config, train
+
+    if args.resume:
+        cfg = resume_config(args.resume, overrides)
+    else:
+        cfg = build_config(args.config, overrides)
+    from localrl.objectives import objective_for
+
+    bar = ProgressBar(cfg.steps, objective_for(cfg).summary)
+    try:
+        result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.log)
+    finally:
+        bar.close()
+    if not main_rank():  # under torchrun, rank 0 reports
+        return 130 if result.interrupted else 0
+    print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
+    if result.eval_before and result.eval_after:
+        print(before_after_line(result.eval_before, result.eval_after, bool(cfg.env)))
+    return 130 if result.interrupted else 0
+
+
+def before_after_line(before: dict, after: dict, env: bool) -> str:
+    """The held-out result of a run, before -> after; a resume with another --eval-size measured the two on
+    different sets, so it says so and claims no difference."""
+    what = "success" if env else "accuracy"
+    items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
+    if before["n"] == after["n"]:
+        delta = 100 * (after["accuracy"] - before["accuracy"])
+        return (f"held-out {what} ({after['n']} {items}, {how}): "
+                f"before {before['accuracy']:.1%} -> after {after['accuracy']:.1%} ({delta:+.1f} points)")
+    return (f"held-out {what} ({how}): before {before['accuracy']:.1%} on {before['n']} {items} -> after "
+            f"{after['accuracy']:.1%} on {after['n']} {items} (different sets: not comparable; `localrl eval` "
+            f"both on one set)")
+
+
+def cmd_sft(args: argparse.Namespace, overrides: dict) -> int:
+    return cmd_train(args, overrides if args.resume else {"objective": "sft", **overrides})

@@ -1,0 +1,123 @@
+"""Where prompts come from and how completions are scored: the prompt datasets (a config's ``task``: the
+built-in addition and word problems, or a user's JSONL file) and the rewards that read them (``rewards``,
+``calibration``).
+
+A task hands out training rows for a step, deterministically from (seed, step), so a
+resumed run sees exactly the batches an uninterrupted one would, and a fixed held-out
+set for evaluation. A row is a dict with ``prompt`` (a string, or a list of chat
+messages), ``answer``, and any extra columns, which reach the reward functions.
+
+A task may carry a system prompt: the instruction stating the answer format the rewards
+read (``FORMAT_PROMPT``), so that a real instruct model, which has never seen the
+``<think>/<answer>`` format, knows it from the first step. It is given to the model,
+never added to the rows, so rewards see the prompts as the data has them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from localrl.config import BUILTIN_TASKS
+from localrl.data import arithmetic, word_problems
+from localrl.data.calibration import CONFIDENCE_PROMPT
+from localrl.data.jsonl import read_jsonl
+from localrl.errors import UserError
+from localrl.models import builtin_path
+
+Row = dict
+RowCheck = Callable[[dict, str], None]
+GENERATORS = {"arith": arithmetic, "words": word_problems}  # name -> module with sample/held_out_problems
+FORMAT_PROMPT = ("Think step by step inside <think> </think> tags, then give only the final answer inside "
+                 "<answer> </answer> tags. For example: <think>3 + 4 = 7, and 7 x 2 = 14</think><answer>14</answer>")
+
+
+@dataclass
+class Task:
+    name: str
+    rows: list[Row] | None  # training rows of a file-backed task; None for a generated one
+    held_out: list[Row]
+    system: str | None = None  # the system prompt every prompt of this task is given, if any
+
+    def sample(self, step: int, n: int, seed: int) -> list[Row]:
+        """The ``n`` training rows of ``step``: a pure function of (seed, step)."""
+        if self.rows is None:
+            rng = random.Random(seed * 1_000_003 + step)
+            return [_row(p) for p in GENERATORS[self.name].sample_problems(rng, n)]
+        # Walk seeded per-epoch permutations of the file, so a step's rows need no saved state.
+        out = []
+        for i in range(step * n, step * n + n):
+            epoch, k = divmod(i, len(self.rows))
+            order = list(range(len(self.rows)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.rows[order[k]])
+        return out
+
+
+    def resample(self, step: int, round: int, n: int, seed: int) -> list[Row]:
+        """``n`` more training rows for ``step`` when dynamic sampling asks (``round`` 1, 2, ...): a pure
+        function of (seed, step, round); generated problems are new ones, file rows drawn at random."""
+        rng = random.Random(f"resample/{seed}/{step}/{round}")
+        if self.rows is None:
+            return [_row(p) for p in GENERATORS[self.name].sample_problems(rng, n)]
+        return [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
+
+
+def _row(problem) -> Row:
+    return {"prompt": problem.question, "answer": problem.answer}
+
+
+def check_reward(setting: str, data: str):
+    """The reward a run logs but never trains on (the config's ``check_reward``), or None: with "auto", the
+    built-in addition task's independent verifier when training on that task; a name or module:function is
+    resolved as any reward is."""
+    if setting in ("", "none"):
+        return None
+    if setting == "auto":
+        return arithmetic.addition_check if data == "arith" else None
+    from localrl.data.rewards import resolve_reward
+
+    return resolve_reward(setting)
+
+
+def system_prompt(setting: str, model: str, confidence: bool = False) -> str | None:
+    """The system message a run gives the model (the config's ``system_prompt``): with "auto", the
+    answer-format instruction (with ``confidence``, a calibration run's, also the request to state a
+    confidence after the answer), unless the model is a built-in one, which learned the format in
+    pretraining and has never seen a system message."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        if builtin_path(model) is not None:
+            return None
+        return FORMAT_PROMPT + " " + CONFIDENCE_PROMPT if confidence else FORMAT_PROMPT
+    return setting
+
+
+def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: RowCheck | None = None,
+              system: str | None = None) -> Task:
+    """Read and check a task's rows up front, before any model is loaded; ``check_row(row, where)``
+    is called on every row with its ``file:line`` (or the task's name) and may raise UserError."""
+    if data in GENERATORS:
+        if eval_data:
+            return Task(data, None, read_jsonl(eval_data, check_row)[:eval_size], system)
+        held = [_row(p) for p in GENERATORS[data].held_out_problems(eval_size)]
+        if check_row is not None:  # generated prompts differ only in names and digits: the longest stands for all
+            sample = held + [_row(p) for p in GENERATORS[data].sample_problems(random.Random(0), 64)]
+            check_row(max(sample, key=lambda r: len(r["prompt"])), f"task {data}")
+        return Task(data, None, held, system)
+    if not Path(data).exists():
+        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {', '.join(BUILTIN_TASKS)})",
+                        field="data")
+    rows = read_jsonl(data, check_row)
+    if eval_data:
+        return Task(data, rows, read_jsonl(eval_data, check_row)[:eval_size], system)
+    # No held-out file: set aside a seeded tenth of the rows (at most eval_size), never trained on.
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    n_eval = min(eval_size, len(rows) // 10)
+    held = set(order[:n_eval])
+    train = [r for i, r in enumerate(rows) if i not in held]
+    return Task(data, train, [rows[i] for i in sorted(held)], system)

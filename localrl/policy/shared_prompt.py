@@ -1,0 +1,227 @@
+"""Completion log-probabilities for GRPO, with each shared prompt computed once per group.
+
+A GRPO batch holds B prompts, each with G sampled completions. The naive training forward
+concatenates prompt and completion for every row, so each prompt is computed G times. Here:
+
+1. The prompt pass runs the B prompts once, with gradients, and keeps every layer's keys
+   and values plus the last prompt position's hidden state (it predicts the first
+   completion token).
+2. Those tensors are cut from the graph as leaf tensors. Each micro-batch of completions
+   attends over its prompt's leaf keys/values through a read-only cache, computes its
+   token log-probs, and is backpropagated at once: gradients reach the adapter weights
+   directly and accumulate on the leaves.
+3. After the last micro-batch, the accumulated leaf gradients are pushed through the prompt
+   pass in one backward call.
+
+By the chain rule this gives exactly the gradients of the naive forward, while each
+prompt's activations exist once and completion activations exist one micro-batch at a
+time. Log-softmax runs over chunks of tokens, recomputed in backward, so the
+[rows, tokens, vocab] logits tensor never exists.
+
+Gradient checkpointing uses the model's own per-layer checkpointing (non-reentrant); the
+caches below are safe under recomputation because re-running a layer never changes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache, DynamicLayer
+
+from localrl.generation.rollout import Rollout
+
+
+class _RecordingLayer(DynamicLayer):
+    """Prompt pass: keep this call's keys/values (replacing, so a recomputed layer stores the same)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _PrefixLayer(DynamicLayer):
+    """Completion pass: attend over fixed prompt keys/values plus the current tokens; never grows."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def _causal_lm(model) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder backbone returning hidden states, output head) of a causal LM, PEFT-wrapped or not."""
+    base = _causal_lm(model)
+    return base.model, base.get_output_embeddings()
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> torch.Tensor:
+    logits = head(hidden).float() / temperature  # [t, V]: one chunk only
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp[:, None]
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return torch.stack([logp, entropy], dim=-1)
+
+
+def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int = 1024, with_entropy: bool = False):
+    """log p(target) under ``head(hidden) / temperature``, chunk by chunk: [n, T] (and entropies [n, T]).
+
+    hidden: [n, T, d]; targets: [n, T]. Under autograd each chunk is recomputed in backward,
+    so at most one chunk of logits ([chunk_tokens, vocab]) is alive at a time.
+    """
+    n, t, d = hidden.shape
+    flat_h, flat_t = hidden.reshape(n * t, d), targets.reshape(n * t)
+    parts = []
+    for i in range(0, n * t, chunk_tokens):
+        args = (head, flat_h[i:i + chunk_tokens], flat_t[i:i + chunk_tokens], temperature, with_entropy)
+        if torch.is_grad_enabled() and flat_h.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    out = torch.cat(parts).reshape(n, t, -1)  # [n, T, 1 or 2]
+    return (out[..., 0], out[..., 1]) if with_entropy else out[..., 0]
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+class ConcatForward:
+    """The reference path: prompt and completion concatenated per row (the prompt runs G times)."""
+
+    def __init__(self, model, rollout: Rollout, temperature: float = 1.0, chunk_tokens: int = 1024):
+        self.backbone, self.head = split_model(model)
+        self.rollout, self.temperature, self.chunk_tokens = rollout, temperature, chunk_tokens
+        self.device = next(model.parameters()).device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def logprobs(self, rows: slice, with_entropy: bool = False):
+        r, g = self.rollout, self.rollout.group_size
+        prompt_rows = torch.arange(rows.start, rows.stop) // g
+        c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
+        ids = torch.cat([r.prompt_ids[prompt_rows].to(self.device), c_ids[:, :-1]], dim=1)
+        mask = torch.cat([r.prompt_mask[prompt_rows], r.completion_mask[rows][:, :-1]], dim=1).to(self.device)
+        hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).last_hidden_state
+        hidden = hidden[:, -c_ids.size(1):]  # [n, R, d]: the positions that predict completion tokens
+        return token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+
+
+class SharedPromptForward(ConcatForward):
+    """The prompt-cache path. Use as a context: backward each micro-batch's loss inside it; leaving it
+    completes the backward through the prompt pass.
+
+        with SharedPromptForward(model, rollout) as fwd:
+            for rows in micro_batches:
+                loss(fwd.logprobs(rows)).backward()
+    """
+
+    def __enter__(self):
+        r = self.rollout
+        ids, mask = r.prompt_ids.to(self.device), r.prompt_mask.to(self.device)
+        cache = Cache(layers=[_RecordingLayer() for _ in range(self.backbone.config.num_hidden_layers)])
+        out = self.backbone(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=cache,
+                            use_cache=True)
+        self._mask = mask
+        self._next_pos = mask.sum(-1)  # [B]: position of each prompt's first completion token
+        self._outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+        self._outputs.append(out.last_hidden_state[:, -1])  # [B, d]: left padding puts every prompt's end here
+        self._grad = torch.is_grad_enabled()
+        # Leaves: completion micro-batches backpropagate into these, not into the prompt graph.
+        self._leaves = [t.detach().requires_grad_(self._grad) for t in self._outputs]
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None and self._grad:
+                pairs = [(o, l.grad) for o, l in zip(self._outputs, self._leaves) if l.grad is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            self._outputs = self._leaves = None
+        return False
+
+    def logprobs(self, rows: slice, with_entropy: bool = False):
+        r, g = self.rollout, self.rollout.group_size
+        n_layers = (len(self._leaves) - 1) // 2
+        keys, values, last = self._leaves[:n_layers], self._leaves[n_layers:-1], self._leaves[-1]
+        row_ids = torch.arange(rows.start, rows.stop)
+        prompt_of_row = row_ids // g
+        c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
+        first = last.index_select(0, prompt_of_row.to(self.device))[:, None]  # [n, 1, d]: predicts token 0
+        t = c_ids.size(1) - 1  # completion tokens fed to the model (the last one is only predicted)
+        if t == 0:
+            return token_logprobs(self.head, first, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+        # Pack the micro-batch's completions of each prompt side by side in one sequence that
+        # attends over that prompt's keys/values once: [prompts here, slots * t] tokens.
+        prompts_here, slot = torch.unique_consecutive(prompt_of_row, return_counts=True)
+        slots = int(slot.max())
+        entry = torch.repeat_interleave(torch.arange(len(prompts_here)), slot)  # packed sequence of each row
+        k = row_ids - torch.repeat_interleave(torch.cumsum(slot, 0) - slot, slot) - rows.start  # slot in it
+        q_len = slots * t
+        ids = torch.full((len(prompts_here), q_len), r.completion_ids[0, 0].item(), dtype=torch.long)
+        live = torch.zeros(len(prompts_here), q_len, dtype=torch.bool)
+        index = (k[:, None] * t + torch.arange(t)[None]).long()  # [n, t] position of each token in its entry
+        ids[entry[:, None], index] = r.completion_ids[rows][:, :-1]
+        live[entry[:, None], index] = r.completion_mask[rows][:, :-1].bool()
+        b = prompts_here.to(self.device)
+        cache = Cache(layers=[_PrefixLayer(kk.index_select(0, b), vv.index_select(0, b))
+                              for kk, vv in zip(keys, values)])
+        offset = torch.arange(q_len) % t
+        positions = self._next_pos.index_select(0, b)[:, None] + offset.to(self.device)[None]
+        same_completion = (torch.arange(q_len)[:, None] // t) == (torch.arange(q_len)[None] // t)
+        causal = same_completion & (offset[:, None] >= offset[None])  # [q, q] within one completion
+        own = causal[None] & live[:, None, :]  # [entries, q, q]
+        prefix = self._mask.index_select(0, b).bool()[:, None, :].expand(-1, q_len, -1)  # [entries, q, P]
+        mask = torch.cat([prefix, own.to(self.device)], dim=-1)[:, None]  # [entries, 1, q, P + q]
+        out = self.backbone(input_ids=ids.to(self.device), attention_mask=self._attention_mask(mask),
+                            position_ids=positions, cache=cache, use_cache=True)
+        packed = out.last_hidden_state  # [entries, q, d]
+        hidden = packed[entry.to(self.device)[:, None], index.to(self.device)]  # [n, t, d]
+        hidden = torch.cat([first, hidden], dim=1)  # [n, R, d]
+        return token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+
+    def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4D mask in the form the model's attention takes: boolean for SDPA, additive otherwise."""
+        if self.backbone.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = next(self.backbone.parameters()).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+
+
+def enable_checkpointing(model) -> None:
+    """Per-layer activation checkpointing that keeps the prompt cache working.
+
+    transformers' checkpointing drops the cache in training mode, since a recomputed layer
+    would append to it twice. The caches here never change on recompute, so layers may keep
+    them; recomputation is non-reentrant, which also carries gradients into the recorded
+    prompt keys/values. Calling it again is a no-op.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = _causal_lm(model)
+    if getattr(base, "_cache_keeping_checkpoints", False):
+        return
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in base.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module._can_checkpoint_with_cache = True
+    base._cache_keeping_checkpoints = True

@@ -1,0 +1,1 @@
+"""Working with a trained model: chat (a run, a directory or a GGUF) and the OpenAI-compatible server."""
