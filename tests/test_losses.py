@@ -133,3 +133,17 @@ def test_sequence_level_ratio_is_one_per_completion():
     sequence, stats_s = grpo_loss(logp, old, torch.tensor([1.0]), mask, LossSettings(importance_sampling_level="sequence"))
     assert token.item() == pytest.approx(-(1.2 + 1.0 + 0.5) / 3) and stats_t["clip_frac"] == pytest.approx(1 / 3)
     assert sequence.item() == pytest.approx(-1.0) and stats_s["clip_frac"] == 0.0
+
+
+def test_the_loss_settings_are_the_configs_loss_fields():
+    """One copy of the loss fields: LossSettings takes its fields and defaults from TrainConfig."""
+    from dataclasses import fields
+
+    from localrl.config import TrainConfig
+    from localrl.policy.losses import LOSS_FIELDS
+
+    assert LossSettings() == LossSettings.of(TrainConfig())  # the same defaults (beta included)
+    assert LossSettings.of(TrainConfig(loss_type="dapo", beta=0.1, epsilon_high=0.28)) == \
+        LossSettings("dapo", beta=0.1, epsilon_high=0.28)
+    assert {f.name: f.default for f in fields(LossSettings)} == \
+        {f.name: f.default for f in fields(TrainConfig) if f.name in LOSS_FIELDS}

@@ -28,11 +28,11 @@ TRL's own ``GRPOTrainer`` code (tests/test_trl_parity.py). Names and meanings ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import field, fields, make_dataclass
 
 import torch
 
-from localrl.config import IS_MODES, LOSS_TYPES
+from localrl.config import IS_MODES, LOSS_TYPES, TrainConfig
 
 ADV_EPS = 1e-4
 
@@ -90,28 +90,24 @@ def importance_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: tor
     raise ValueError(f"unknown importance sampling mode {mode!r}; use one of {', '.join(IS_MODES)}")
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The settings that shape the policy loss, by TRL's names (``TrainConfig`` holds the same fields)."""
+# The fields that shape the policy loss, by TRL's names. Their types, defaults, help and checks live once, in
+# TrainConfig; LossSettings is the frozen view of them the loss functions take, so that they can be called (and
+# checked against TRL) without a whole config.
+LOSS_FIELDS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "beta",
+               "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
 
-    loss_type: str = "grpo"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.0  # 0: epsilon; for cispo, the cap on the ratio itself
-    delta: float = 0.0  # 0: off; else the unclipped ratio is capped at delta
-    importance_sampling_level: str = "token"
-    beta: float = 0.0
-    use_bias_correction_kl: bool = True
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    off_policy_mask_threshold: float = 0.0  # 0: off; else drop negative-advantage completions this far off-policy
 
-    @classmethod
-    def of(cls, cfg) -> "LossSettings":
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+def _of(cls, cfg) -> "LossSettings":
+    """The loss settings of ``cfg`` (a TrainConfig, or anything with the loss fields)."""
+    return cls(**{name: getattr(cfg, name) for name in LOSS_FIELDS})
+
+
+_CONFIG = {f.name: f for f in fields(TrainConfig)}
+LossSettings = make_dataclass(
+    "LossSettings", [(name, _CONFIG[name].type, field(default=_CONFIG[name].default)) for name in LOSS_FIELDS],
+    frozen=True, namespace={"of": classmethod(_of), "__module__": __name__,
+                            "__doc__": "The settings that shape the policy loss (TrainConfig's loss fields)."})
 
 
 def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, s: LossSettings,
