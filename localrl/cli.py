@@ -219,8 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (build: default the built-in location; shape: required)")
     p.add_argument("--tokenizer", help="shape: a model directory or tokenizer.json to copy the tokenizer from "
                    "(default: the built-in one)")
-    p.add_argument("--seed", type=int, help="override the recipe's seed (shape: the weights' seed, default 0)")
-    p.add_argument("--steps", type=int, help="override the recipe's pretraining steps")
+    p.add_argument("--seed", type=int, help="override the pretraining seed (shape: the weights' seed, default 0)")
+    p.add_argument("--steps", type=int, help="override the pretraining steps")
     p.set_defaults(func=cmd_models)
     parser.commands = sub.choices  # name -> its parser, for suggestions
     return parser

@@ -1,12 +1,16 @@
 """The run configuration: one dataclass, a TOML file, and ``--key value`` overrides.
 
-Precedence: field defaults < an environment's preset (``ENV_PRESETS``, with ``env``) < an
-objective's (``OBJECTIVE_PRESETS``, with ``objective``) <
-``--config FILE.toml`` < command-line flags. Every field has
-a default and a one-line help (the ``help`` metadata, also shown by ``localrl train -h``).
-``parse_overrides`` reads ``--field value`` flags for the CLI and the terminal UI alike;
-``validate()`` rejects impossible settings before any model is loaded. Every error is a
-``UserError`` that carries the field's name.
+The fields are flat (``--loss-type dapo``, ``loss_type = "dapo"``, as TRL's configs are) and grouped in
+sections, one per owner: what to train, the adapter, the step, each sampler's, the loss, the KL, the
+optimiser, each objective's, the environment's, the run's. A plug-in owns its section's checks and its
+preset (``localrl.registry``): ``validate()`` runs the config's own checks, then every registered
+objective's, sampler's and environment's ``check_settings``.
+
+Precedence: field defaults < the selected environment's preset (with ``env``) < the selected objective's (with
+``objective``) < ``--config FILE.toml`` < command-line flags. Every field has a default and a one-line help
+(the ``help`` metadata, also shown by ``localrl train -h``). ``parse_overrides`` reads ``--field value`` flags
+for the CLI and the terminal UI alike; ``validate()`` rejects impossible settings before any model is loaded.
+Every error is a ``UserError`` that carries the field's name.
 """
 
 from __future__ import annotations
@@ -23,16 +27,6 @@ from localrl.errors import UserError
 BUILTIN_TASKS = ("arith", "words")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.policy.losses
 SCALE_REWARDS = ("group", "batch", "none")
-SHELL_FAMILIES = ("count", "files", "edit", "csv", "multi")  # localrl.envs.shell_tasks.FAMILIES
-ISOLATION = ("auto", "bwrap", "landlock", "unshare", "process")  # localrl.envs.sandbox's levels, strongest first
-# What ``--env NAME`` changes from the defaults, unless the file or the flags set it: the built-in agent
-# model and sizes that train it on a 2-core CPU
-ENV_PRESETS = {"shell": {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8,
-                         "max_new_tokens": 48, "beta": 0.0, "eval_size": 100, "save_every": 10}}
-# What ``--objective sft`` (``localrl sft``) changes from the defaults, unless the file or the flags set it. Its
-# learning rate stays the default (2e-3, sized for the built-in models: tiny-shell 25% -> 77% held-out in 30
-# steps; 5e-4 reached 51%); a real model wants less (SmolLM2-135M was warm-started at 5e-4).
-OBJECTIVE_PRESETS = {"sft": {"env": "shell"}}
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
@@ -48,7 +42,7 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class TrainConfig:
-    # what to train
+    # what to train: the model, the data, the rewards
     model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, FILE.gguf, "
                                   "ollama:NAME[:TAG], or hub id")
     data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems) or a JSONL file of "
@@ -65,10 +59,15 @@ class TrainConfig:
     format_weight: float = _f(0.1, "weight of the <think>/<answer> format reward added to the correctness reward")
     overlong_cache: int = _f(0, "DAPO's soft overlong punishment, added to the reward: a completion longer than "
                                 "max_new_tokens - overlong_cache tokens loses up to 1, linearly (0: off)")
+    length_reward_weight: float = _f(0.0, "weight of Kimi k1.5's length reward (within a group, shorter right "
+                                          "answers earn up to +0.5, long wrong ones pay up to -0.5; 0: off)")
+    calibration_weight: float = _f(0.0, "RLCR: weight of the Brier-score reward on the confidence stated after the "
+                                        "answer in <confidence> tags (reward = correct - weight * (confidence - "
+                                        "correct)^2; 1 is RLCR; 0: off). Real models are asked for the tag")
     system_prompt: str = _f("auto", "system message before every prompt: 'auto' (the <think>/<answer> format "
                                     "instruction, except for built-in models, which learned the format), 'none', "
                                     "or the text itself")
-    # model and adapter
+    # model and adapter; the objective (localrl.objectives)
     quantize: str = _f("auto", "base weights: 'nf4' (4-bit, bitsandbytes; --4bit), 'none' (full precision; "
                                "--no-4bit), or 'auto': nf4 on a GPU, full precision on a CPU (4-bit decoding is "
                                "slower there) unless the memory budget or free memory needs nf4")
@@ -84,7 +83,7 @@ class TrainConfig:
     init_adapter: str = _f("", "start from this adapter instead of a fresh one: a run directory (its newest "
                                "checkpoint, e.g. a `localrl sft` run) or a PEFT adapter directory, trained on the "
                                "same base with the same LoRA settings")
-    # GRPO
+    # the step: prompts, group, completion budget (training/length_schedule.py)
     steps: int = _f(40, "optimizer steps (each on a fresh batch of prompts)")
     prompts_per_step: int = _f(16, "prompts per step; each gets group_size completions")
     group_size: int = _f(8, "completions sampled per prompt (G)")
@@ -94,25 +93,9 @@ class TrainConfig:
                                           "stages; Curriculum GRPO's shrinking budget)")
     max_new_tokens_final: int = _f(0, "the budget at the last step under a linear or step schedule, at most "
                                       "max_new_tokens (0: max_new_tokens)")
-    length_reward_weight: float = _f(0.0, "weight of Kimi k1.5's length reward (within a group, shorter right "
-                                          "answers earn up to +0.5, long wrong ones pay up to -0.5; 0: off)")
-    experience_judge: str = _f("", "objective experience: the model that compares each group's right and wrong "
-                                   "completions and edits the lessons (a model source as for model; empty: the "
-                                   "policy model itself)")
-    experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
-                                  "one drops the oldest)")
-    experience_init: str = _f("", "objective experience: start from this library (a run directory's experience.json "
-                                  "or such a file: lessons by a larger judge, or written by hand); empty: none")
-    experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
-    calibration_weight: float = _f(0.0, "RLCR: weight of the Brier-score reward on the confidence stated after the "
-                                        "answer in <confidence> tags (reward = correct - weight * (confidence - "
-                                        "correct)^2; 1 is RLCR; 0: off). Real models are asked for the tag")
-    markovian_chunk: int = _f(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
-                                 "sampled from the query plus the last markovian_carry tokens of the one before "
-                                 "(0: off; max_new_tokens is then the whole trace's budget)")
-    markovian_carry: int = _f(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
     budget_stages: int = _f(2, "step schedule: equal stages of the run, the budget falling in equal steps "
                                "from max_new_tokens in the first to max_new_tokens_final in the last")
+    # sampling: the completions sampler (samplers/completions.py)
     temperature: float = _f(1.0, "sampling temperature for rollouts")
     rollout: str = _f("auto", "who samples the completions: 'torch', 'llama.cpp' (batched, the adapter attached as "
                               "a GGUF LoRA each step; needs the llama extra), or 'auto': llama.cpp on a CPU when "
@@ -124,6 +107,12 @@ class TrainConfig:
                                        "and more prompts sampled until prompts_per_step groups differ (prompts, "
                                        "not env episodes)")
     dynamic_sampling_rounds: int = _f(3, "dynamic sampling: extra rounds of prompts_per_step prompts at most, per step")
+    # sampling: the markovian sampler (samplers/markovian.py)
+    markovian_chunk: int = _f(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
+                                 "sampled from the query plus the last markovian_carry tokens of the one before "
+                                 "(0: off; max_new_tokens is then the whole trace's budget)")
+    markovian_carry: int = _f(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
+    # the policy loss, TRL's names and defaults (policy/losses.py; LossSettings is a view of these)
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
     loss_type: str = _f("grpo", "the policy loss, as TRL names it: grpo (each completion's mean, then over "
                                 "completions), bnpo / dapo (over all tokens of the step), dr_grpo (token sum / "
@@ -160,6 +149,7 @@ class TrainConfig:
     off_policy_mask_threshold: float = _f(0.0, "DeepSeek-V3.2's off-policy sequence mask: drop completions with a "
                                                "negative advantage whose mean log-ratio to the sampler exceeds "
                                                "this; 0: off")
+    # KL to the reference (policy/reference.py)
     beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
     sync_ref_model: bool = _f(False, "TR-DPO: every ref_model_sync_steps steps the KL reference becomes a mix of "
                                      "the adapter and the old reference (an adapter state: no second copy of the base)")
@@ -168,6 +158,7 @@ class TrainConfig:
     ref_model_sync_steps: int = _f(512, "sync: steps between reference syncs")
     reset_optimizer_on_sync: bool = _f(False, "sync: also clear AdamW's moments at every sync (the prolonged-RL "
                                               "recipe of KL plus periodic resets)")
+    # optimiser and memory
     lr: float = _f(2e-3, "AdamW learning rate of the adapter")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clip (0 disables it)")
@@ -175,7 +166,16 @@ class TrainConfig:
     prompt_cache: bool = _f(True, "compute each prompt once per group (--no-prompt-cache: concatenate per row)")
     memory_budget: str = _f("", "peak memory of a training step, e.g. 10GB: sets micro-batches, logits chunks "
                                 "and checkpointing (empty: micro_batch_size applies)")
-    # agent training: multi-turn episodes in an environment instead of prompts
+    # the experience objective (objectives/experience.py)
+    experience_judge: str = _f("", "objective experience: the model that compares each group's right and wrong "
+                                   "completions and edits the lessons (a model source as for model; empty: the "
+                                   "policy model itself)")
+    experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
+                                  "one drops the oldest)")
+    experience_init: str = _f("", "objective experience: start from this library (a run directory's experience.json "
+                                  "or such a file: lessons by a larger judge, or written by hand); empty: none")
+    experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
+    # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer); empty: train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
@@ -191,7 +191,7 @@ class TrainConfig:
     mask_truncated_completions: bool = _f(False, "leave episodes that never answered (turn or context limit) out "
                                                  "of the loss, as TRL's option does; they still count in their "
                                                  "group's advantages")
-    # evaluation, checkpoints, run
+    # evaluation, checkpoints, the run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")
     save_every: int = _f(10, "checkpoint every N steps (and always at the end or on Ctrl-C)")
@@ -216,25 +216,10 @@ class TrainConfig:
             ("hacking_window", self.hacking_window >= 3, "must be at least 3"),
             ("length_reward_weight", self.length_reward_weight >= 0, "must be non-negative (0: off)"),
             ("calibration_weight", self.calibration_weight >= 0, "must be non-negative (0: off)"),
-            ("calibration_weight", not (self.calibration_weight and self.env), "is for single-turn tasks (not env)"),
-            ("markovian_chunk", self.markovian_chunk >= 0, "must be non-negative (0: off)"),
-            ("markovian_carry", self.markovian_carry == 0 or self.markovian_chunk > 0,
-             "needs markovian_chunk (Markovian thinking is off while markovian_chunk is 0)"),
-            ("markovian_carry", self.markovian_carry >= 0 and (self.markovian_chunk == 0 or
-                                                               self.markovian_carry < self.markovian_chunk),
-             f"must be non-negative and below markovian_chunk ({self.markovian_chunk})"),
-            ("markovian_chunk", not (self.markovian_chunk and (self.env or self.objective == "sft")),
-             "Markovian thinking is for single-turn tasks (not env or sft)"),
-            ("markovian_chunk", not (self.markovian_chunk and self.dynamic_sampling),
-             "does not combine with dynamic_sampling"),
-            ("markovian_chunk", not (self.markovian_chunk and self.rollout == "llama.cpp"),
-             "samples with torch (rollout = auto or torch)"),
             ("steps", self.steps >= 1, "must be at least 1"),
             ("prompts_per_step", self.prompts_per_step >= 1, "must be at least 1"),
             ("temperature", self.temperature > 0, "must be positive (rollouts are sampled)"),
             ("num_iterations", self.num_iterations >= 1, "must be at least 1"),
-            ("dynamic_sampling_rounds", self.dynamic_sampling_rounds >= 1, "must be at least 1"),
-            ("dynamic_sampling", not (self.dynamic_sampling and self.env), "applies to prompts, not env episodes"),
             ("epsilon", 0 < self.epsilon < 1, "must be in (0, 1)"),
             ("epsilon_high", self.epsilon_high >= 0, "must be non-negative (0: epsilon)"),
             ("delta", self.delta == 0 or self.delta > 1, "must be 0 (off) or above 1"),
@@ -278,31 +263,8 @@ class TrainConfig:
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
                                                          "package.module:function)"),
-            ("objective", self.objective != "experience" or not (self.env or self.markovian_chunk),
-             "experience is for single-turn tasks without markovian_chunk"),
-            ("experience_size", self.experience_size >= 1, "must be at least 1"),
-            ("experience_init", not self.experience_init or self.objective == "experience", "needs objective experience"),
-            ("experience_judge", not self.experience_judge or self.objective == "experience",
-             "needs objective experience"),
-            ("experience_judge_tokens", self.experience_judge_tokens >= 1, "must be at least 1"),
-            ("objective", self.objective != "sft" or bool(self.env),
-             "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')"),
             ("env", not self.env or _environments().known(self.env),
              f"must be empty or one of {', '.join(_environments().names())} (or package.module:function)"),
-            ("env_tasks", not self.env_tasks or self.env == "shell", "needs env = 'shell'"),
-            *[(name, not self.env or getattr(self, name) == FIELDS[name].default,
-               "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",
-                                                                                                   "eval_data")],
-            ("env_families", not _unknown(self.env_families, SHELL_FAMILIES),
-             f"must be a comma-separated subset of {', '.join(SHELL_FAMILIES)}"),
-            ("env_levels", not _unknown(self.env_levels, ("1", "2", "3")), "must be a comma-separated subset of 1, 2, 3"),
-            *[(name, not getattr(self, name) or (self.env == "shell" and not self.env_tasks),
-               "applies to the built-in shell tasks (env = 'shell', no env_tasks)") for name in ("env_families",
-                                                                                                  "env_levels")],
-            ("max_turns", self.max_turns >= 1, "must be at least 1"),
-            ("env_workers", self.env_workers >= 1, "must be at least 1"),
-            ("env_timeout", self.env_timeout > 0, "must be positive"),
-            ("isolation", self.isolation in ISOLATION, f"must be one of {', '.join(ISOLATION)}"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -315,13 +277,19 @@ class TrainConfig:
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
                 raise UserError(f"config field {name}: {value} is more than any run needs (at most {MAX_INT:,})",
                                 field=name)
-        for name, ok, why in checks:
-            if not ok:
-                raise UserError(f"config field {name}: {why} (got {getattr(self, name)!r})", field=name)
+        check_fields(self, checks)
         if self.memory_budget:
             from localrl.memory import parse_bytes
 
             parse_bytes(self.memory_budget)
+        # each plug-in checks its own settings section (localrl.registry): the objectives', samplers' and
+        # environments' fields and the combinations they cannot run with
+        from localrl.envs import environments
+        from localrl.objectives import objectives
+        from localrl.samplers import samplers
+
+        for registry in (objectives, samplers, environments):
+            registry.check_settings(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,7 +301,16 @@ MAX_INT = 10**9  # no count in a run (steps, tokens, tasks, ranks) comes near it
 MAX_SEED = 2**32 - 1  # seeds are mixed with the step into 64-bit generator seeds
 
 
-def _unknown(listing: str, allowed: tuple[str, ...]) -> list[str]:
+def check_fields(cfg: TrainConfig, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise the first failed check of ``checks`` (field, holds, why) as one line naming the field and its value:
+    the config's own checks, and those of each plug-in's settings (``check_settings``)."""
+    for name, ok, why in checks:
+        if not ok:
+            raise UserError(f"config field {name}: {why} (got {getattr(cfg, name)!r})", field=name)
+
+
+def unknown_items(listing: str, allowed: tuple[str, ...]) -> list[str]:
+    """The items of a comma-separated ``listing`` not in ``allowed``."""
     return [item for item in split_list(listing) if item not in allowed]
 
 
@@ -431,12 +408,13 @@ def parse_overrides(argv: list[str], allowed: list[str] | None = None) -> dict[s
 
 
 # ``localrl train -h`` groups the fields, as TRL's config docs do: (heading, the group's first field), in field order
-HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and adapter", "quantize"),
-                 ("the step: prompts, group, completion length", "steps"),
-                 ("other objectives: token budgets, experience, calibration, Markovian", "budget_schedule"),
-                 ("sampling and rollouts", "temperature"), ("the policy loss (TRL's names and defaults)", "num_iterations"),
-                 ("KL to the reference", "beta"), ("optimiser and memory", "lr"), ("agent training (--env)", "env"),
-                 ("evaluation, checkpoints, the run", "eval_size")]
+HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and adapter; the objective", "quantize"),
+                 ("the step: prompts, group, completion budget", "steps"),
+                 ("sampling: prompt completions (torch or llama.cpp)", "temperature"),
+                 ("sampling: Markovian traces", "markovian_chunk"),
+                 ("the policy loss (TRL's names and defaults)", "num_iterations"), ("KL to the reference", "beta"),
+                 ("optimiser and memory", "lr"), ("objective experience (training-free GRPO)", "experience_judge"),
+                 ("agent training (--env)", "env"), ("evaluation, checkpoints, the run", "eval_size")]
 
 
 def fields_help(only: list[str] | None = None) -> str:
@@ -494,9 +472,13 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         values.update(load_toml(file))
     for k, v in (overrides or {}).items():
         values[k] = coerce(k, v)
-    for k, v in OBJECTIVE_PRESETS.get(values.get("objective", ""), {}).items():
+    from localrl.envs import environments
+    from localrl.objectives import objectives
+
+    # the objective's preset first: it may choose the environment, whose preset then applies
+    for k, v in objectives.preset(values.get("objective", FIELDS["objective"].default)).items():
         values.setdefault(k, v)
-    for k, v in ENV_PRESETS.get(values.get("env", ""), {}).items():
+    for k, v in environments.preset(values.get("env", FIELDS["env"].default)).items():
         values.setdefault(k, v)
     return TrainConfig(**values).validate()
 

@@ -14,6 +14,12 @@ config as ``package.module:function`` (as a user's reward is), so it needs no ed
 
     localrl train --objective mine          # (from a process that imported the module above)
     localrl train --objective mypkg.obj:Mine
+
+A plug-in owns its settings: its ``check_settings(cfg)`` (a class attribute, or ``check=`` for a function)
+checks the config fields that are its own and the combinations it cannot run with, whether or not the run
+selects it (a field set for a plug-in the run does not use is a mistake too), and its ``preset`` (or
+``preset=``) is what selecting it changes from the defaults unless the file or the flags set it.
+``TrainConfig.validate()`` and ``build_config`` ask the registries for both.
 """
 
 from __future__ import annotations
@@ -33,23 +39,42 @@ class Registry:
     def __init__(self, kind: str, field: str, package: str):
         self.kind, self.field, self.package = kind, field, package
         self._plugins: dict[str, Any] = {}
+        self._presets: dict[str, dict[str, Any]] = {}
+        self._checks: dict[str, Callable | None] = {}
         self._discovered = False
 
-    def register(self, name: str, plugin: Any = None):
-        """Register ``plugin`` as ``name``; without ``plugin``, a decorator that registers what it decorates.
-        Registering a name again replaces the earlier plug-in (a module imported twice, a test's own)."""
+    def register(self, name: str, plugin: Any = None, *, preset: dict[str, Any] | None = None,
+                 check: Callable | None = None):
+        """Register ``plugin`` as ``name`` (its ``preset`` and ``check_settings``, unless given here); without
+        ``plugin``, a decorator that registers what it decorates. Registering a name again replaces the earlier
+        plug-in (a module imported twice, a test's own)."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r}: must be non-empty, without ':'")
 
         def add(p):
             self._plugins[name] = p
+            self._presets[name] = dict(preset if preset is not None else getattr(p, "preset", None) or {})
+            self._checks[name] = check if check is not None else getattr(p, "check_settings", None)
             return p
 
         return add if plugin is None else add(plugin)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (a test's own plug-in, once the test is done)."""
-        self._plugins.pop(name, None)
+        for table in (self._plugins, self._presets, self._checks):
+            table.pop(name, None)
+
+    def preset(self, name: str) -> dict[str, Any]:
+        """What selecting the registered plug-in ``name`` changes from the defaults ({} for any other name)."""
+        self._discover()
+        return dict(self._presets.get(name, {}))
+
+    def check_settings(self, cfg) -> None:
+        """Every registered plug-in checks its own settings in ``cfg`` (a UserError naming the field)."""
+        self._discover()
+        for check in list(self._checks.values()):
+            if check is not None:
+                check(cfg)
 
     def _discover(self) -> None:
         if self._discovered:

@@ -2,7 +2,7 @@
 
 A built-in model is a plain Hugging Face model directory; its name resolves to that
 directory, and it is the default model when none is named. Importing this package imports
-nothing else of localrl (the recipes, which need torch and the task generator, load on demand).
+nothing else of localrl (the pretraining code, which needs torch and the task generator, load on demand).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT = "tiny-arith"
-BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-arith-verbose", "tiny-shell")  # one recipe each in build.py
+BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-arith-verbose", "tiny-shell")  # each pretrained as build.py says
 
 
 def builtin_names() -> list[str]:

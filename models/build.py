@@ -1,20 +1,20 @@
-"""Every built-in model's recipe, by name: ``localrl models build NAME`` runs it."""
+"""Every built-in model's pretraining, by name: ``localrl models build NAME`` runs it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from localrl.models.recipe import Recipe, arith_data, pretrain
-from localrl.models.shell_recipe import ShellRecipe, shell_data
+from localrl.models.pretraining import Pretraining, arith_data, pretrain
+from localrl.models.shell_pretraining import ShellPretraining, shell_data
 
-RECIPES: dict[str, Recipe] = {
-    "tiny-arith": Recipe(),
-    "tiny-arith-conf": Recipe(confidence=True),
-    "tiny-arith-verbose": Recipe(restate=0.5),
-    "tiny-shell": ShellRecipe(steps=5000, batch_size=32, max_positions=512, corpus_tasks=6000),
+PRETRAINING: dict[str, Pretraining] = {
+    "tiny-arith": Pretraining(),
+    "tiny-arith-conf": Pretraining(confidence=True),
+    "tiny-arith-verbose": Pretraining(restate=0.5),
+    "tiny-shell": ShellPretraining(steps=5000, batch_size=32, max_positions=512, corpus_tasks=6000),
 }
 
 
-def build(out_dir: str | Path, recipe: Recipe, log=print) -> Path:
-    """Pretrain ``recipe`` into ``out_dir`` (atomically)."""
-    return pretrain(out_dir, recipe, shell_data if isinstance(recipe, ShellRecipe) else arith_data, log)
+def build(out_dir: str | Path, spec: Pretraining, log=print) -> Path:
+    """Pretrain ``spec`` into ``out_dir`` (atomically)."""
+    return pretrain(out_dir, spec, shell_data if isinstance(spec, ShellPretraining) else arith_data, log)

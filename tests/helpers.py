@@ -38,7 +38,7 @@ def train_bpe_tokenizer(llama3_split: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from localrl.models.recipe import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
+    from localrl.models.pretraining import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -63,7 +63,7 @@ def train_spm_tokenizer(workdir: Path, chatml: bool = False):
     import sentencepiece
     from transformers import LlamaTokenizer
 
-    from localrl.models.recipe import CHAT_TEMPLATE
+    from localrl.models.pretraining import CHAT_TEMPLATE
 
     workdir.mkdir(parents=True, exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
@@ -85,7 +85,7 @@ def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, toke
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from localrl.models.recipe import build_tokenizer
+    from localrl.models.pretraining import build_tokenizer
 
     if tokenizer.startswith("spm"):
         tok = train_spm_tokenizer(out.with_name(out.name + "-spm"), chatml=tokenizer == "spm-chatml")

@@ -15,7 +15,7 @@ import pytest
 from localrl.benchmarks.side_by_side import exact_length_prompts
 from localrl.cli import main
 from localrl.generation.rollout import encode_prompts
-from localrl.models.recipe import build_tokenizer
+from localrl.models.pretraining import build_tokenizer
 
 TINY = ["--model-size", "tiny", "--prompt-len", "12", "--completion-len", "6", "--group", "2", "--repeats", "1"]
 

@@ -1,4 +1,4 @@
-"""The shipped tiny model: size, format, 4-bit loading, partial accuracy, and a deterministic recipe."""
+"""The shipped tiny model: size, format, 4-bit loading, partial accuracy, and deterministic pretraining."""
 
 import json
 from dataclasses import replace
@@ -13,7 +13,7 @@ from localrl.data.rewards import default_rewards
 from localrl.evaluation.evaluate import evaluate
 from localrl.modeling import load_base, load_tokenizer, pick_device
 from localrl.modeling import count_4bit_layers
-from localrl.models.build import RECIPES, build
+from localrl.models.build import PRETRAINING, build
 
 
 def test_shipped_model_is_small_llama_with_reasoning_chat_template(builtin_model):
@@ -42,8 +42,8 @@ def test_shipped_model_in_4bit_is_partly_right(builtin_model):
     assert 0.2 <= result["accuracy"] <= 0.6
 
 
-def test_recipe_is_deterministic_for_a_seed(tmp_path):
-    quick = replace(RECIPES["tiny-arith"], steps=3, batch_size=8, hidden_size=32, intermediate_size=64, layers=1)
+def test_pretraining_is_deterministic_for_a_seed(tmp_path):
+    quick = replace(PRETRAINING["tiny-arith"], steps=3, batch_size=8, hidden_size=32, intermediate_size=64, layers=1)
     quiet = {"log": lambda *_: None}
     a = load_file(str(build(tmp_path / "a", quick, **quiet) / "model.safetensors"))
     b = load_file(str(build(tmp_path / "b", quick, **quiet) / "model.safetensors"))
@@ -53,14 +53,14 @@ def test_recipe_is_deterministic_for_a_seed(tmp_path):
 
 
 @pytest.mark.slow
-def test_shell_recipe_is_deterministic_for_a_seed(tmp_path):
-    from localrl.models.shell_recipe import ShellRecipe
+def test_shell_pretraining_is_deterministic_for_a_seed(tmp_path):
+    from localrl.models.shell_pretraining import ShellPretraining
 
-    quick = ShellRecipe(steps=2, batch_size=4, hidden_size=32, intermediate_size=64, layers=1, corpus_tasks=20,
+    quick = ShellPretraining(steps=2, batch_size=4, hidden_size=32, intermediate_size=64, layers=1, corpus_tasks=20,
                         max_positions=512)
     quiet = {"log": lambda *_: None}
     a, b = (build(tmp_path / name, quick, **quiet) for name in ("a", "b"))
-    for name in ("model.safetensors", "tokenizer.json", "recipe.json"):
+    for name in ("model.safetensors", "tokenizer.json", "pretraining.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 

@@ -81,11 +81,19 @@ def letters_environment(cfg) -> EnvSetup:
     return EnvSetup(train=lambda seed: tasks[seed % len(tasks)], held_out=tasks[:4], factory=Letters)
 
 
+def check_letters(cfg) -> None:
+    """The environment's own settings check: one turn is all it has."""
+    from localrl.config import check_fields
+
+    check_fields(cfg, [("max_turns", cfg.env != "letters" or cfg.max_turns == 1, "letters is one turn: must be 1")])
+
+
 @pytest.fixture
 def registered():
     """The test's own objective and environment, registered for the test and forgotten after it."""
     objectives.register("answers", Answers)
-    environments.register("letters", letters_environment)
+    environments.register("letters", letters_environment, preset={"model": "tiny-shell", "max_turns": 1},
+                          check=check_letters)
     yield
     objectives.unregister("answers")
     environments.unregister("letters")
@@ -132,6 +140,19 @@ def test_a_test_local_environment_trains_by_grpo_from_the_cli(registered, tmp_pa
     assert after["n"] == 4 and set(after["families"]) == {"a-m", "n-z"} and 0 < after["reward_mean"] < 1
     assert any(v.abs().sum() > 0 for k, v in _adapter(run).items() if "lora_B" in k)
     assert "held-out success" in capsys.readouterr().out
+
+
+def test_a_plugin_brings_its_preset_and_checks_its_own_settings(registered, tmp_path, capsys):
+    from localrl.cli import main
+    from localrl.config import build_config
+
+    assert (build_config(None, {"env": "letters"}).model, build_config(None, {"env": "letters"}).max_turns) == \
+        ("tiny-shell", 1)
+    assert build_config(None, {"env": "letters", "model": "tiny-arith"}).model == "tiny-arith"  # a flag wins
+    assert build_config(None, {}).model == "tiny-arith"  # another environment's preset never applies
+    assert main(["train", "--env", "letters", "--max-turns", "3", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "config field max_turns: letters is one turn: must be 1 (got 3)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, capsys):

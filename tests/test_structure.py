@@ -28,12 +28,18 @@ def modules() -> dict[str, Path]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the localrl modules it imports (at the top or inside functions)."""
+    """module -> the localrl modules it imports when it runs (at the top or inside functions; not the annotations'
+    ``if TYPE_CHECKING:`` imports)."""
     mods = modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports are for annotations: they never run
+                continue
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -41,6 +47,11 @@ def import_graph() -> dict[str, set[str]]:
                     targets.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module)
         graph[name] = {t for t in targets if t in mods and t != name}
     return graph
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -70,6 +81,8 @@ def test_the_graph_reader_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "localrl.runs" in graph["localrl.training.loop"] and "localrl.quant.gguf_writer" in graph["localrl.quant.export"]
+    # objectives' package imports the config only for annotations (under TYPE_CHECKING): no runtime arrow
+    assert "localrl.config" not in graph["localrl.objectives"] and "localrl.objectives" in graph["localrl.config"]
 
 
 def test_no_import_cycles():
@@ -91,13 +104,15 @@ LAYERS = [
     ("localrl.training",),  # the loop drives objectives
     # what a user runs: the commands, benchmarks, serving, the baselines, building the built-in models
     ("localrl.commands", "localrl.benchmarks", "localrl.serving", "localrl.baselines", "localrl.models.build",
-     "localrl.models.recipe", "localrl.models.shell_recipe"),
+     "localrl.models.pretraining", "localrl.models.shell_pretraining"),
     ("localrl.tui",),  # the terminal UI (it runs training as a `localrl train` subprocess)
     ("localrl.cli", "localrl.__main__"),  # the command line: the one importer of the UI
 ]
-# the one arrow that points up, and why: config validates --env against the environments' registry (its
-# package module holds only the registry and the protocol)
-UPWARD = {("localrl.config", "localrl.envs")}
+# the arrows that point up, and why: the config asks the plug-in registries (each package module holds only its
+# registry and protocol) whether --env names an environment, for the selected plug-ins' presets, and to check the
+# settings each plug-in owns
+UPWARD = {("localrl.config", "localrl.envs"), ("localrl.config", "localrl.objectives"),
+          ("localrl.config", "localrl.samplers")}
 
 
 def layer_of(module: str) -> int:
@@ -190,8 +205,8 @@ def test_one_namespace_even_beside_a_users_own_models_package(tmp_path):
     assert ours.stdout.split() == ["the", "user", "project", "tiny-arith"], ours.stderr
 
 
-def test_builtin_names_match_the_recipes():
+def test_builtin_names_match_their_pretraining():
     from localrl.models import builtin_names
-    from localrl.models.build import RECIPES
+    from localrl.models.build import PRETRAINING
 
-    assert builtin_names() == sorted(RECIPES)
+    assert builtin_names() == sorted(PRETRAINING)

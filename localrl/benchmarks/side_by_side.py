@@ -265,7 +265,7 @@ def bench_grpo_step(prompt_len: int = 1000, completion_len: int = 100, group: in
     from localrl.data import Task
     from localrl.generation.rollout import encode_prompts
     from localrl.modeling import load_base, load_tokenizer
-    from localrl.models.recipe import build_tokenizer
+    from localrl.models.pretraining import build_tokenizer
     from localrl.objectives.grpo import step_on_task
 
     if prompt_len < 1 or completion_len < 1 or group < 2 or steps < 1:

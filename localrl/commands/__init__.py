@@ -46,12 +46,12 @@ def one_line(text, width: int = 200) -> str:
     return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
-def replaceable_dir(out: Path, command: str, marker: str, what: str) -> Path:
+def replaceable_dir(out: Path, command: str, markers: tuple[str, ...], what: str) -> Path:
     """``out`` for a command that replaces it whole: refused if it is a file, or a directory with files but
-    without ``marker`` (the file that says the command wrote it)."""
+    without any of ``markers`` (the files that say the command wrote it)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{command} --out {out}: is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+    if out.is_dir() and any(out.iterdir()) and not any((out / m).is_file() for m in markers):
         raise UserError(f"{command} --out {out}: holds files that are not {what}; it would replace "
                         f"them (choose an empty or new directory)")
     return out

@@ -26,21 +26,21 @@ def cmd_models(args: argparse.Namespace) -> int:
         return _models_shape(args)
     from dataclasses import replace
 
-    from localrl.models.build import RECIPES, build
+    from localrl.models.build import PRETRAINING, build
 
-    if args.name not in RECIPES:
-        raise UserError(f"model {args.name!r}: no recipe; built-in recipes: {', '.join(RECIPES)}")
-    recipe = RECIPES[args.name]
+    if args.name not in PRETRAINING:
+        raise UserError(f"model {args.name!r}: not a built-in model; built-in: {', '.join(PRETRAINING)}")
+    spec = PRETRAINING[args.name]
     if args.seed is not None:
-        recipe = replace(recipe, seed=args.seed)
+        spec = replace(spec, seed=args.seed)
     if args.steps is not None:
         if args.steps < 1:
             raise UserError(f"models build --steps: must be at least 1 (got {args.steps})")
-        recipe = replace(recipe, steps=args.steps)
-    out = replaceable_dir(Path(args.out) if args.out else ROOT / args.name, "models build", "recipe.json",
-                           "a built model")
+        spec = replace(spec, steps=args.steps)
+    out = replaceable_dir(Path(args.out) if args.out else ROOT / args.name, "models build",
+                          ("pretraining.json", "recipe.json"), "a built model")  # recipe.json: built by an earlier localrl
     t0 = time.time()
-    build(out, recipe)
+    build(out, spec)
     print(f"wrote {out} in {time.time() - t0:.0f}s")
     return 0
 
@@ -53,7 +53,7 @@ def _models_shape(args: argparse.Namespace) -> int:
     find_shape(args.name)
     if not args.out:
         raise UserError("models shape: --out DIR is required (where the model directory is written)")
-    out = replaceable_dir(Path(args.out), "models shape", "shape.json", "a shape model")
+    out = replaceable_dir(Path(args.out), "models shape", ("shape.json",), "a shape model")
     t0 = time.time()
     write_shape(args.name, out, args.tokenizer, args.seed or 0)
     print(f"wrote {out} in {time.time() - t0:.0f}s")

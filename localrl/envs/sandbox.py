@@ -68,12 +68,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from localrl.config import ISOLATION
 from localrl.envs import cgroups
 from localrl.envs.confine import NOBODY_UID, root_only_files
 from localrl.errors import UserError
 
-LEVELS = ISOLATION[1:]  # bwrap, landlock, unshare, process: strongest first
+LEVELS = ("bwrap", "landlock", "unshare", "process")  # strongest first
+ISOLATION = ("auto", *LEVELS)  # the config field isolation's values
 CONFINE = Path(__file__).with_name("confine.py")
 NAMESPACES = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--propagation",
               "private"]

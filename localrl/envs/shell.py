@@ -25,7 +25,7 @@ from pathlib import Path
 
 from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, task_list
-from localrl.envs.sandbox import Sandbox, level_works, strongest_level
+from localrl.envs.sandbox import ISOLATION, Sandbox, level_works, strongest_level
 from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
                                       sample_tasks)
 from localrl.errors import UserError, failure_line
@@ -212,7 +212,31 @@ def expert_answer(last_observation: str, task: ShellTask) -> str:
     return f"<answer>{lines[-1].strip() if lines else ''}</answer>"
 
 
-@environments.register("shell")
+def check_shell_settings(cfg) -> None:
+    """The shell environment's own fields: its tasks, the built-in generator's families and levels, the sandbox."""
+    from localrl.config import check_fields, unknown_items
+
+    shell, built_in = cfg.env == "shell", cfg.env == "shell" and not cfg.env_tasks
+    check_fields(cfg, [
+        ("env_tasks", not cfg.env_tasks or shell, "needs env = 'shell'"),
+        ("env_families", not unknown_items(cfg.env_families, FAMILIES),
+         f"must be a comma-separated subset of {', '.join(FAMILIES)}"),
+        ("env_levels", not unknown_items(cfg.env_levels, tuple(map(str, LEVELS))),
+         f"must be a comma-separated subset of {', '.join(map(str, LEVELS))}"),
+        *[(name, not getattr(cfg, name) or built_in,
+           "applies to the built-in shell tasks (env = 'shell', no env_tasks)") for name in ("env_families", "env_levels")],
+        ("env_timeout", cfg.env_timeout > 0, "must be positive"),
+        ("isolation", cfg.isolation in ISOLATION, f"must be one of {', '.join(ISOLATION)}"),
+    ])
+
+
+# `--env shell` brings the built-in agent model and sizes that train it on a 2-core CPU, unless the file or the
+# flags set them
+SHELL_PRESET = {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48,
+                "beta": 0.0, "eval_size": 100, "save_every": 10}
+
+
+@environments.register("shell", preset=SHELL_PRESET, check=check_shell_settings)
 def shell_environment(cfg) -> EnvSetup:
     """The sandboxed shell: the built-in task generator (``env_families``, ``env_levels``) or the user's tasks
     (``env_tasks``: a JSONL file or module:function, whose verifiers are probed here), the strongest sandbox

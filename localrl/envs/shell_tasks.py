@@ -34,12 +34,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localrl.config import SHELL_FAMILIES
 from localrl.data.jsonl import json_objects
 from localrl.data.rewards import exact_match, numeric_match
 from localrl.errors import UserError, failure_line, user_callable
 
-FAMILIES = SHELL_FAMILIES
+FAMILIES = ("count", "files", "edit", "csv", "multi")
 LEVELS = (1, 2, 3)
 HELD_OUT_ONE_IN = 10
 VERIFIER_TIMEOUT = 10.0  # seconds a user's verifier may take for one episode

@@ -62,12 +62,18 @@ class Objective:
 
     rows_per_prompt: int | None = None  # completions a step trains per prompt (None: group_size), for the planner
     sample_rewards = True  # whether its records carry the sampler's rewards (and their shares)
+    preset: dict[str, Any] = {}  # what selecting it changes from the defaults, unless the file or the flags set it
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
 
+    @staticmethod
+    def check_settings(cfg: TrainConfig) -> None:
+        """Check its own config fields and the combinations it cannot run with, selected or not (``validate()``
+        calls it; ``localrl.config.check_fields`` words the error)."""
+
     def check(self, world: World) -> None:
-        """Refuse settings it cannot run with, in one line naming the field (torchrun included)."""
+        """Refuse what it cannot run with in this launch, in one line naming the field (torchrun included)."""
 
     def preflight(self, info: ModelInfo, sampler: Sampler, plan: Plan) -> tuple[str, JudgeLoad | None]:
         """Before weights load, after the sampler's preflight (``plan``): another model it needs (its resolved

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from localrl.config import check_fields
 from localrl.errors import UserError
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
@@ -24,13 +25,24 @@ class Experience(Objective):
         self.library: ExperienceLibrary | None = None
         self.judge: Judge | None = None
 
+    @staticmethod
+    def check_settings(cfg) -> None:
+        chosen = cfg.objective == "experience"
+        check_fields(cfg, [
+            ("objective", not chosen or not (cfg.env or cfg.markovian_chunk),
+             "experience is for single-turn tasks without markovian_chunk"),
+            ("dynamic_sampling", not (chosen and cfg.dynamic_sampling),
+             "experience judges each step's groups as sampled (not with objective experience)"),
+            ("experience_size", cfg.experience_size >= 1, "must be at least 1"),
+            ("experience_init", not cfg.experience_init or chosen, "needs objective experience"),
+            ("experience_judge", not cfg.experience_judge or chosen, "needs objective experience"),
+            ("experience_judge_tokens", cfg.experience_judge_tokens >= 1, "must be at least 1"),
+        ])
+
     def check(self, w) -> None:
         if w.distributed:
             raise UserError(f"config field objective: experience keeps one library in one process; launch it "
                             f"without torchrun (this launch has {w.size} ranks)", field="objective")
-        if self.cfg.dynamic_sampling:
-            raise UserError("config field dynamic_sampling: experience judges each step's groups as sampled (not "
-                            "with objective experience)", field="dynamic_sampling")
 
     def preflight(self, info, sampler, plan):
         """The library to start from must read; the judge (the policy model, or ``experience_judge``) must hold a

@@ -86,8 +86,13 @@ class Sampler:
         """Whether ``cfg`` asks for this sampler (the default sampler is used when none does)."""
         return False
 
+    @staticmethod
+    def check_settings(cfg: TrainConfig) -> None:
+        """Check its own config fields and the combinations it cannot run with, selected or not (``validate()``
+        calls it; ``localrl.config.check_fields`` words the error)."""
+
     def check(self, world: World) -> None:
-        """Refuse settings it cannot run with (torchrun included), in one line naming the field."""
+        """Refuse what it cannot run with in this launch (torchrun), in one line naming the field."""
 
     def prepare(self, info: ModelInfo | None) -> Plan:
         """Load and check the data before any weights load (``info`` None: for evaluation only, unchecked)."""

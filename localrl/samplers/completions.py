@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from localrl.config import check_fields
 from localrl.data import Task, check_reward, load_task, system_prompt
 from localrl.data.monitors import reward_shares
 from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, score
@@ -39,6 +40,13 @@ class Completions(Sampler):
         self.task: Task | None = None
         self.backend, self.model_path, self.longest = "torch", "", 0
         self.llama = None  # the LlamaCppRollout, when llama.cpp samples
+
+    @staticmethod
+    def check_settings(cfg) -> None:
+        check_fields(cfg, [
+            ("dynamic_sampling_rounds", cfg.dynamic_sampling_rounds >= 1, "must be at least 1"),
+            ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "applies to prompts, not env episodes"),
+        ])
 
     def check(self, w) -> None:
         if w.distributed and self.cfg.rollout == "llama.cpp":

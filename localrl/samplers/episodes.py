@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from localrl.config import FIELDS, check_fields
 from localrl.envs import EnvSetup, environment_for, task_list, task_seeds
 from localrl.errors import UserError
 from localrl.generation.agent_rollout import TurnFormat, run_episodes, trajectory_budget
@@ -34,10 +35,19 @@ class Episodes(Sampler):
     def selects(cls, cfg) -> bool:
         return bool(cfg.env)
 
-    def check(self, w) -> None:
-        if self.cfg.rollout == "llama.cpp":
-            raise UserError("config field rollout: multi-turn episodes are sampled by torch (rollout = auto or "
-                            "torch)", field="rollout")
+    @staticmethod
+    def check_settings(cfg) -> None:
+        episodes = bool(cfg.env)
+        check_fields(cfg, [
+            *[(name, not episodes or getattr(cfg, name) == FIELDS[name].default,
+               "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",
+                                                                                                  "eval_data")],
+            ("calibration_weight", not (episodes and cfg.calibration_weight), "is for single-turn tasks (not env)"),
+            ("rollout", not (episodes and cfg.rollout == "llama.cpp"),
+             "multi-turn episodes are sampled by torch (rollout = auto or torch)"),
+            ("max_turns", cfg.max_turns >= 1, "must be at least 1"),
+            ("env_workers", cfg.env_workers >= 1, "must be at least 1"),
+        ])
 
     def prepare(self, info: ModelInfo | None) -> Plan:
         """The tasks and the environment (its own checks), every held-out prompt against the context, and the

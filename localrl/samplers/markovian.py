@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from localrl.config import check_fields
 from localrl.data.rewards import combine, reward_names, score
 from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of
@@ -28,6 +29,22 @@ class Markovian(Completions):
     @classmethod
     def selects(cls, cfg) -> bool:
         return cfg.markovian_chunk > 0
+
+    @staticmethod
+    def check_settings(cfg) -> None:
+        chunk, carry = cfg.markovian_chunk, cfg.markovian_carry
+        check_fields(cfg, [
+            ("markovian_chunk", chunk >= 0, "must be non-negative (0: off)"),
+            ("markovian_carry", carry == 0 or chunk > 0,
+             "needs markovian_chunk (Markovian thinking is off while markovian_chunk is 0)"),
+            ("markovian_carry", carry >= 0 and (chunk == 0 or carry < chunk),
+             f"must be non-negative and below markovian_chunk ({chunk})"),
+            ("markovian_chunk", not (chunk and (cfg.env or cfg.objective == "sft")),
+             "Markovian thinking is for single-turn tasks (not env or sft)"),
+            ("markovian_chunk", not (chunk and cfg.dynamic_sampling), "does not combine with dynamic_sampling"),
+            ("markovian_chunk", not (chunk and cfg.rollout == "llama.cpp"),
+             "samples with torch (rollout = auto or torch)"),
+        ])
 
     def check(self, w) -> None:
         if w.distributed:

@@ -1,9 +1,9 @@
 """The data of the built-in terminal agent, ``tiny-shell``: trajectories of scripted solvers.
 
-``recipe.corpus_tasks`` tasks from the training split (never a held-out one), their names placeholders
+``spec.corpus_tasks`` tasks from the training split (never a held-out one), their names placeholders
 (``shell_tasks.Placeholders``), are played once
 each in the sandbox by a scripted agent that types the task's expert commands, or with
-probability ``recipe.slip`` its careless ones (``ShellTask.slip``: ``wc -w`` for ``wc -l``, a
+probability ``spec.slip`` its careless ones (``ShellTask.slip``: ``wc -w`` for ``wc -l``, a
 lowercase grep, ``sed`` without ``-i``, ...), then answers from the last output. The model
 learns the protocol (one ``<tool_call>`` per turn, ``<answer>`` at the end) and both habits,
 the careless one more often, so greedy decoding solves only some tasks before RL, while
@@ -14,7 +14,7 @@ memorised, names and all, and miscopied names it had not seen (``vuzatu.csv`` be
 
 The trajectories are encoded exactly as a multi-turn rollout sees them (``TurnFormat``: the
 chat template's tokens around each tool response), with loss on the agent's turns only. The
-tokenizer is a byte-level BPE trained on these conversations (``recipe.vocab_size``), with
+tokenizer is a byte-level BPE trained on these conversations (``spec.vocab_size``), with
 ChatML turn markers and the tool-call and answer tags as single tokens. There is no system
 prompt: the model learns the protocol itself.
 """
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from localrl.envs.shell import ShellEnv, solve, task_list
 from localrl.envs.shell_tasks import Names, rename, sample_tasks
 from localrl.generation.agent_rollout import TurnFormat
-from localrl.models.recipe import CHAT_TEMPLATE, SPECIAL_TOKENS, Recipe, pad_batch
+from localrl.models.pretraining import CHAT_TEMPLATE, SPECIAL_TOKENS, Pretraining, pad_batch
 from localrl.policy.sft import episode_tokens
 
 @dataclass
-class ShellRecipe(Recipe):
+class ShellPretraining(Pretraining):
     corpus_tasks: int = 4000  # training-split tasks played once each; batches sample from them
     slip: float = 0.6  # how often the scripted agent types the careless commands
     vocab_size: int = 1024  # byte-level BPE trained on the trajectories
@@ -42,13 +42,13 @@ TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<
         "</think>"]
 
 
-def trajectories(recipe: ShellRecipe, rng: random.Random, log=print) -> list[tuple[str, list[tuple[str, str]]]]:
+def trajectories(spec: ShellPretraining, rng: random.Random, log=print) -> list[tuple[str, list[tuple[str, str]]]]:
     """(instruction, [(agent turn, observation), ...]) for each corpus task; the last turn is the answer."""
-    tasks = sample_tasks(random.Random(rng.randrange(2**62)), recipe.corpus_tasks, names="placeholders")
+    tasks = sample_tasks(random.Random(rng.randrange(2**62)), spec.corpus_tasks, names="placeholders")
     env = ShellEnv(task_list(tasks), max_turns=8)
     out = []
     for i, task in enumerate(tasks):
-        _, turns = solve(env, i, slip=rng.random() < recipe.slip)
+        _, turns = solve(env, i, slip=rng.random() < spec.slip)
         out.append((task.instruction, turns))
         if (i + 1) % 1000 == 0:
             log(f"trajectories: {i + 1}/{len(tasks)}")
@@ -88,26 +88,26 @@ def renamed(episode: tuple[str, list[tuple[str, str]]], names: Names) -> tuple[s
     return texts[0], list(zip(texts[1::2], texts[2::2]))
 
 
-def shell_data(recipe: ShellRecipe, rng: random.Random, log=print):
-    """(tokenizer, batch function) of the tiny-shell recipe."""
-    corpus = trajectories(recipe, rng, log)
+def shell_data(spec: ShellPretraining, rng: random.Random, log=print):
+    """(tokenizer, batch function) of tiny-shell's pretraining."""
+    corpus = trajectories(spec, rng, log)
     names = Names(random.Random(rng.randrange(2**62)), "seen")
     # The tokenizer learns its merges from the episodes with their placeholders, so they spell the tasks' wording
     # and commands, never a name: every name, seen or unseen, is spelt with the same short pieces, and copying a
     # name the model never met is the same act as copying one it trained on.
     texts = [instruction + "\n" + "\n".join(f"{a}\n{o}" for a, o in turns) for instruction, turns in corpus]
-    tok = build_tokenizer(texts, recipe.vocab_size)
+    tok = build_tokenizer(texts, spec.vocab_size)
     fmt = TurnFormat(tok, None)
     lengths = {i: len(encode(tok, fmt, *renamed(e, names))[0]) for i, e in enumerate(corpus)}
-    kept = [i for i in range(len(corpus)) if lengths[i] <= recipe.max_positions - 32]  # room for longer names
+    kept = [i for i in range(len(corpus)) if lengths[i] <= spec.max_positions - 32]  # room for longer names
     by_length = sorted(kept, key=lengths.get)  # episodes of similar lengths together: little of a batch is padding
     log(f"trajectories: {len(kept)}, tokens per episode: median {lengths[by_length[len(kept) // 2]]}, "
         f"max {lengths[by_length[-1]]}")
 
     def batch():  # each episode with fresh names, every time
-        start = rng.randrange(len(by_length) - recipe.batch_size + 1)
-        rows = [encode(tok, fmt, *renamed(corpus[i], names)) for i in by_length[start:start + recipe.batch_size]]
-        rows = [(ids[:recipe.max_positions], mask[:recipe.max_positions]) for ids, mask in rows]
+        start = rng.randrange(len(by_length) - spec.batch_size + 1)
+        rows = [encode(tok, fmt, *renamed(corpus[i], names)) for i in by_length[start:start + spec.batch_size]]
+        rows = [(ids[:spec.max_positions], mask[:spec.max_positions]) for ids, mask in rows]
         return pad_batch(rows, tok.pad_token_id)
 
     return tok, batch

@@ -1,5 +1,5 @@
-"""Reproducible recipes for the built-in tiny models: the shared pretraining loop, and the reasoning
-model tiny-arith (the terminal agent's data is in shell_recipe.py; build.py names them all).
+"""Reproducible pretraining of the built-in tiny models: the shared pretraining loop, and the reasoning
+model tiny-arith (the terminal agent's data is in shell_pretraining.py; build.py names them all).
 
 ``localrl models build tiny-arith`` writes a Hugging Face Llama model directory
 (config.json, tokenizer.json, model.safetensors, a chat template) pretrained from
@@ -42,7 +42,7 @@ from localrl.data.arithmetic import sample_problems, worked_answer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
-CONFIDENCE_TOKENS = ["<confidence>", "</confidence>"]  # added after the others, for a confidence recipe
+CONFIDENCE_TOKENS = ["<confidence>", "</confidence>"]  # added after the others, for the confidence recipe (RLCR)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -53,7 +53,7 @@ CHAT_TEMPLATE = (
 
 
 @dataclass
-class Recipe:
+class Pretraining:
     """Architecture and pretraining schedule of a built-in model."""
 
     hidden_size: int = 128
@@ -132,23 +132,23 @@ def encode_example(tok, question: str, completion: str) -> tuple[list[int], list
     return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
 
 
-def _batch(tok, rng: random.Random, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = [encode_example(tok, p.question, _trace(p, rng, recipe)) for p in sample_problems(rng, recipe.batch_size)]
+def _batch(tok, rng: random.Random, spec: Pretraining) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [encode_example(tok, p.question, _trace(p, rng, spec)) for p in sample_problems(rng, spec.batch_size)]
     return pad_batch(rows, tok.pad_token_id)
 
 
-def _trace(p, rng: random.Random, recipe: Recipe) -> str:
-    """A pretraining completion for problem ``p``: the worked answer, with the recipe's extra habits."""
-    trace = worked_answer(p, rng, recipe.drop_carry)
-    if recipe.restate and rng.random() < recipe.restate:  # "...</think>" -> "...{a}+{b}={result}\n</think>"
+def _trace(p, rng: random.Random, spec: Pretraining) -> str:
+    """A pretraining completion for problem ``p``: the worked answer, with the extra habits ``spec`` asks for."""
+    trace = worked_answer(p, rng, spec.drop_carry)
+    if spec.restate and rng.random() < spec.restate:  # "...</think>" -> "...{a}+{b}={result}\n</think>"
         result = trace[trace.index("<answer>") + len("<answer>"):trace.index("</answer>")]
         trace = trace.replace("</think>", f"{p.a}+{p.b}={result}\n</think>", 1)
-    return trace + _stated_confidence(rng, recipe)
+    return trace + _stated_confidence(rng, spec)
 
 
-def _stated_confidence(rng: random.Random, recipe: Recipe) -> str:
-    """The confidence a ``confidence`` recipe's trace ends with: 0.0 to 1.0 in tenths, uniformly at random."""
-    return f"<confidence>{rng.randint(0, 10) / 10:.1f}</confidence>" if recipe.confidence else ""
+def _stated_confidence(rng: random.Random, spec: Pretraining) -> str:
+    """The confidence a trace of a ``confidence`` model ends with: 0.0 to 1.0 in tenths, uniformly at random."""
+    return f"<confidence>{rng.randint(0, 10) / 10:.1f}</confidence>" if spec.confidence else ""
 
 
 def pad_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,40 +160,40 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.
     return ids, mask, attn
 
 
-def arith_data(recipe: Recipe, rng: random.Random, log=print):
-    """(tokenizer, batch function) of the tiny-arith recipe."""
-    tok = build_tokenizer(recipe.confidence)
+def arith_data(spec: Pretraining, rng: random.Random, log=print):
+    """(tokenizer, batch function) of tiny-arith's pretraining."""
+    tok = build_tokenizer(spec.confidence)
 
     def batch():
-        return _batch(tok, rng, recipe)
+        return _batch(tok, rng, spec)
 
     return tok, batch
 
 
-def pretrain(out_dir: str | Path, recipe: Recipe, data, log=print) -> Path:
-    """Train a model from scratch on ``data(recipe, rng, log)`` -> (tokenizer, batch function) and write it
+def pretrain(out_dir: str | Path, spec: Pretraining, data, log=print) -> Path:
+    """Train a model from scratch on ``data(spec, rng, log)`` -> (tokenizer, batch function) and write it
     to ``out_dir`` atomically."""
-    torch.set_num_threads(recipe.threads)
-    torch.manual_seed(recipe.seed)
-    rng = random.Random(recipe.seed)
-    tok, batch = data(recipe, rng, log)
-    model = train_lm(tok, batch, recipe, log)
-    return _save_atomic(model, tok, recipe, Path(out_dir))
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+    tok, batch = data(spec, rng, log)
+    model = train_lm(tok, batch, spec, log)
+    return _save_atomic(model, tok, spec, Path(out_dir))
 
 
-def train_lm(tok, batch, recipe: Recipe, log=print):
-    """A Llama model of ``recipe``'s shape trained from scratch on ``batch()`` -> (ids, loss mask, attention
+def train_lm(tok, batch, spec: Pretraining, log=print):
+    """A Llama model of ``spec``'s shape trained from scratch on ``batch()`` -> (ids, loss mask, attention
     mask), cross-entropy on the masked tokens."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.layers,
-        num_attention_heads=recipe.heads,
-        num_key_value_heads=recipe.heads,
-        max_position_embeddings=recipe.max_positions,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=spec.max_positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -204,12 +204,12 @@ def train_lm(tok, batch, recipe: Recipe, log=print):
     model = LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"tiny model: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / recipe.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps)))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / spec.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, spec.steps) / spec.steps)))
     model.train()
     t0 = time.time()
-    for step in range(recipe.steps):
+    for step in range(spec.steps):
         ids, loss_mask, attn = batch()
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         target = ids[:, 1:]
@@ -221,7 +221,7 @@ def train_lm(tok, batch, recipe: Recipe, log=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == recipe.steps - 1:
+        if step % 100 == 0 or step == spec.steps - 1:
             log(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - t0:6.0f}s")
     model.eval()
     model.generation_config = GenerationConfig(
@@ -229,9 +229,9 @@ def train_lm(tok, batch, recipe: Recipe, log=print):
     return model
 
 
-def _save_atomic(model, tok, recipe: Recipe, out_dir: Path) -> Path:
+def _save_atomic(model, tok, spec: Pretraining, out_dir: Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+        (tmp / "pretraining.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return out_dir
