@@ -131,6 +131,7 @@ class TrainScreen(Screen):
         self.train_command = train_command or TRAIN_COMMAND
         self.run_dir: Path | None = Path(attach) if attach else None
         self.proc: subprocess.Popen | None = None
+        self._ended = False  # the training process's exit has been handled (_finished)
         self.follower = MetricsFollower(Run(self.run_dir).metrics_path) if self.run_dir else None
         self.total_steps = 0
         self.phase = ""  # what the run does before (or after) its steps: loading, evaluating
@@ -207,7 +208,9 @@ class TrainScreen(Screen):
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """A training process was started here and its exit is not yet handled: until ``_finished`` has read its
+        last output and set the final status, the run still counts as running."""
+        return self.proc is not None and not self._ended
 
     def _error(self, text: str, field: str | None = None) -> None:
         """Show a user error under the form and mark the input of the field it names (the flags
@@ -222,6 +225,7 @@ class TrainScreen(Screen):
         self.query_one("#log", RichLog).clear()
         self._tail.clear()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._ended = False
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)
         self._watch(run_dir, f"training {run_dir}", steps)
@@ -248,6 +252,7 @@ class TrainScreen(Screen):
     def _finished(self, proc: subprocess.Popen, code: int) -> None:
         if proc is not self.proc:
             return
+        self._ended = True
         self.tick()
         self.phase = ""
         if code == 0:
