@@ -34,7 +34,8 @@ from localrl.config import FIELDS, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
 from localrl.training.heap import return_freed_memory
 
-EVAL_FIELDS = ["model", "data", "eval_data", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
+EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column",
+               "answer_column", "answer_format", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
                "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks",
                "max_turns", "env_workers", "env_timeout", "isolation"]
 FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields

@@ -45,9 +45,20 @@ class TrainConfig:
     # what to train: the model, the data, the rewards
     model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, FILE.gguf, "
                                   "ollama:NAME[:TAG], or hub id")
-    data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems) or a JSONL file of "
-                            "{prompt, answer, ...} rows")
-    eval_data: str = _f("", "JSONL file of held-out rows; empty: the task's own held-out split")
+    data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems), a JSONL, Parquet, CSV, JSON "
+                            "or Arrow file of {prompt, answer, ...} rows, a datasets save_to_disk directory, or a "
+                            "hub id already in the local datasets cache (read offline)")
+    eval_data: str = _f("", "held-out rows, from any source data reads; empty: the task's own held-out split (or "
+                            "eval_split of data)")
+    data_config: str = _f("", "the dataset's config (datasets' `name`, e.g. main for openai/gsm8k); empty: its default")
+    data_split: str = _f("train", "the split of a dataset (hub id or save_to_disk directory) to train on")
+    eval_split: str = _f("", "held-out rows from this split of data (or of eval_data), e.g. test; empty: a seeded "
+                             "tenth of the training rows, at most eval_size")
+    prompt_column: str = _f("prompt", "the column holding each prompt (a string or a list of {role, content} "
+                                      "messages)")
+    answer_column: str = _f("answer", "the column holding each reference answer")
+    answer_format: str = _f("", "how the answer column is read: empty (as it is), gsm8k (what follows ####), "
+                                "last-number, or regex:PATTERN (its first group)")
     reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format or "
                                 "package.module:function; the first is the correctness reward that accuracy counts")
     reward_weights: str = _f("", "comma-separated weight of each reward in `reward` (empty: 1 each)")

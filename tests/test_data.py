@@ -8,7 +8,7 @@ import pytest
 
 from localrl.data import load_task
 from localrl.data.arithmetic import Problem, held_out_problems, is_held_out, sample_problems, worked_answer
-from localrl.data.jsonl import read_jsonl
+from localrl.data.sources import read_rows
 from localrl.errors import UserError
 
 
@@ -58,7 +58,7 @@ def test_jsonl_rows_and_extra_columns(tmp_path):
 def test_malformed_line_names_file_and_line(tmp_path, bad, message):
     f = _write(tmp_path / "d.jsonl", ['{"prompt": "ok", "answer": 1}', bad])
     with pytest.raises(UserError, match=message):
-        read_jsonl(f)
+        read_rows(str(f))
 
 
 def test_empty_and_missing_datasets(tmp_path):

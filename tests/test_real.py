@@ -245,3 +245,26 @@ def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
     for sample in result["samples"]:
         q, right = stated_confidence(sample["completion"]), sample["rewards"]["numeric_match"]
         assert sample["rewards"]["calibration"] == pytest.approx(-1.0 if q is None else -(q - right) ** 2, abs=1e-4)
+
+
+def test_the_real_model_trains_on_a_gsm8k_shaped_parquet_file(real_gguf, tmp_path):
+    """A TRL user's data as it is: a Parquet file with GSM8K's columns, read through --prompt-column and
+    --answer-format; a step of the real model on it, and its held-out rows evaluated."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from localrl.cli import main
+    from localrl.metrics import read_metrics
+
+    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "gsm8k_shaped.jsonl").read_text()
+            .splitlines()][:40]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(real_gguf), "--data", str(tmp_path / "train.parquet"), "--prompt-column",
+                 "question", "--answer-format", "gsm8k", "--steps", "1", "--prompts-per-step", "2", "--group-size",
+                 "2", "--max-new-tokens", "24", "--eval-size", "4", "--run-dir", str(run)]) == 0
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["n"] for r in records if r["kind"] == "eval"] == [4, 4]
+    step = next(r for r in records if r["kind"] == "train")
+    assert step["step"] == 1 and step["completion_len"] > 0

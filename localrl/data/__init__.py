@@ -16,14 +16,14 @@ never added to the rows, so rewards see the prompts as the data has them.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from localrl.config import BUILTIN_TASKS
 from localrl.data import arithmetic, word_problems
 from localrl.data.calibration import CONFIDENCE_PROMPT
-from localrl.data.jsonl import read_jsonl
+from localrl.data.sources import Columns, is_file_source, read_rows
 from localrl.errors import UserError
 from localrl.models import builtin_path
 
@@ -97,23 +97,28 @@ def system_prompt(setting: str, model: str, confidence: bool = False) -> str | N
 
 
 def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: RowCheck | None = None,
-              system: str | None = None) -> Task:
+              system: str | None = None, columns: Columns = Columns()) -> Task:
     """Read and check a task's rows up front, before any model is loaded; ``check_row(row, where)``
-    is called on every row with its ``file:line`` (or the task's name) and may raise UserError."""
+    is called on every row with where it is (``file:line``, ``file:row N``, or the task's name) and may raise
+    UserError. ``data`` is a built-in task, a file, a ``save_to_disk`` directory or a cached hub id
+    (``localrl.data.sources``), its rows read through ``columns``; ``eval_data`` the same, for held-out rows."""
+    held_source, held_columns = eval_data or data, replace(columns, split=columns.eval_split or columns.split)
+    held_out = (lambda: read_rows(held_source, held_columns, check_row, "eval_data")[:eval_size]) \
+        if eval_data or columns.eval_split else None
     if data in GENERATORS:
-        if eval_data:
-            return Task(data, None, read_jsonl(eval_data, check_row)[:eval_size], system)
+        if held_out is not None:
+            return Task(data, None, held_out(), system)
         held = [_row(p) for p in GENERATORS[data].held_out_problems(eval_size)]
         if check_row is not None:  # generated prompts differ only in names and digits: the longest stands for all
             sample = held + [_row(p) for p in GENERATORS[data].sample_problems(random.Random(0), 64)]
             check_row(max(sample, key=lambda r: len(r["prompt"])), f"task {data}")
         return Task(data, None, held, system)
-    if not Path(data).exists():
-        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {', '.join(BUILTIN_TASKS)})",
-                        field="data")
-    rows = read_jsonl(data, check_row)
-    if eval_data:
-        return Task(data, rows, read_jsonl(eval_data, check_row)[:eval_size], system)
+    if not Path(data).exists() and (is_file_source(data) or data.count("/") != 1):
+        raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {', '.join(BUILTIN_TASKS)})"
+                        f" or a hub id (owner/name)", field="data")
+    rows = read_rows(data, columns, check_row)
+    if held_out is not None:
+        return Task(data, rows, held_out(), system)
     # No held-out file: set aside a seeded tenth of the rows (at most eval_size), never trained on.
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)

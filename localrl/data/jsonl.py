@@ -1,28 +1,25 @@
-"""Read a JSONL dataset of ``{"prompt": ..., "answer": ..., <extra columns>}`` rows, strictly.
-
-The whole file is checked before training starts; the first bad line stops the run with
-``file:line: what is wrong``.
-"""
+"""JSONL read strictly: every line a UTF-8 JSON object, the first bad one stopping the run with ``file:line: what
+is wrong`` (a task's rows: ``localrl.data.sources``; a shell environment's tasks: ``localrl.envs.shell_tasks``)."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from localrl.errors import UserError
 
 
-def _check_prompt(prompt, where: str) -> None:
+def check_prompt(prompt, where: str, column: str = "prompt") -> None:
+    """A prompt is a non-empty string or a conversation (a non-empty list of {role, content} messages)."""
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise UserError(f"{where}: 'prompt' is empty")
+            raise UserError(f"{where}: '{column}' is empty")
         return
     if isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
         return
-    raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+    raise UserError(f"{where}: '{column}' must be a string or a list of {{role, content}} messages")
 
 
 def json_objects(path: str | Path, what: str = "data") -> Iterator[tuple[str, dict]]:
@@ -55,21 +52,3 @@ def json_objects(path: str | Path, what: str = "data") -> Iterator[tuple[str, di
         yield where, row
     if not found:
         raise UserError(f"{what} {p}: no rows (the file is empty)")
-
-
-def read_jsonl(path: str | Path, check_row: Callable[[dict, str], None] | None = None) -> list[dict]:
-    """The rows of a JSONL file; ``check_row(row, "file:line")`` may refuse a row (UserError)."""
-    rows = []
-    for where, row in json_objects(path):
-        for key in ("prompt", "answer"):
-            if key not in row:
-                raise UserError(f"{where}: missing '{key}'")
-        _check_prompt(row["prompt"], where)
-        if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool):
-            raise UserError(f"{where}: 'answer' must be a string or a number")
-        if isinstance(row["answer"], float) and not math.isfinite(row["answer"]):  # JSON's NaN and Infinity
-            raise UserError(f"{where}: 'answer' must be a finite number (got {row['answer']})")
-        if check_row is not None:
-            check_row(row, where)
-        rows.append(row)
-    return rows

@@ -22,6 +22,7 @@ from localrl.config import check_fields
 from localrl.data import Task, check_reward, load_task, system_prompt
 from localrl.data.monitors import reward_shares
 from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, score
+from localrl.data.sources import Columns, check_answer_format
 from localrl.distributed import world
 from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of, evaluate
@@ -44,6 +45,10 @@ class Completions(Sampler):
     @staticmethod
     def check_settings(cfg) -> None:
         check_fields(cfg, [
+            ("answer_format", check_answer_format(cfg.answer_format) is None, check_answer_format(cfg.answer_format)),
+            *[(name, bool(getattr(cfg, name).strip()), "must name a column") for name in ("prompt_column",
+                                                                                         "answer_column")],
+            ("data_split", bool(cfg.data_split.strip()), "must name a split (train, for most datasets)"),
             ("dynamic_sampling_rounds", cfg.dynamic_sampling_rounds >= 1, "must be at least 1"),
             ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "applies to prompts, not env episodes"),
         ])
@@ -59,7 +64,7 @@ class Completions(Sampler):
         cfg = self.cfg
         system = system_prompt(cfg.system_prompt, cfg.model, cfg.calibration_weight > 0)
         if info is None:
-            self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system)
+            self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, system=system, columns=Columns.of(cfg))
             return Plan(0, cfg.max_new_tokens)
         tok, context = info.tok, info.context
         widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
@@ -78,7 +83,7 @@ class Completions(Sampler):
                                 f"max_new_tokens {cfg.max_new_tokens} it does not fit the model's context of "
                                 f"{context} tokens (shorten it or lower max_new_tokens)", field="data")
 
-        self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system)
+        self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system, Columns.of(cfg))
         self._probe_rewards((self.task.held_out or self.task.sample(0, 2, cfg.seed))[:2])
         self.backend, why = self.choose_backend(info)
         self.model_path = info.path

@@ -24,6 +24,11 @@ from localrl.metrics import item_progress
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
 
 
+# the fields that say where single-turn prompts come from: an environment's tasks come from env_tasks instead
+DATA_FIELDS = ("data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column", "answer_column",
+               "answer_format")
+
+
 @samplers.register("episodes")
 class Episodes(Sampler):
     def __init__(self, cfg, rewards=None):
@@ -40,8 +45,7 @@ class Episodes(Sampler):
         episodes = bool(cfg.env)
         check_fields(cfg, [
             *[(name, not episodes or getattr(cfg, name) == FIELDS[name].default,
-               "is for single-turn prompts; an environment's tasks come from env_tasks") for name in ("data",
-                                                                                                  "eval_data")],
+               "is for single-turn prompts; an environment's tasks come from env_tasks") for name in DATA_FIELDS],
             ("calibration_weight", not (episodes and cfg.calibration_weight), "is for single-turn tasks (not env)"),
             ("rollout", not (episodes and cfg.rollout == "llama.cpp"),
              "multi-turn episodes are sampled by torch (rollout = auto or torch)"),

@@ -1,0 +1,144 @@
+"""A user's data from every format TRL's users keep it in: JSONL, Parquet, CSV, JSON, Arrow, a save_to_disk
+directory and a hub id in the local datasets cache (built here, offline), read through columns and an answer
+format; the same rows from each, two training steps from each, and bad sources in one line."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from localrl.config import build_config
+from localrl.data import load_task
+from localrl.data.sources import Columns, extract_answer, read_rows
+from localrl.errors import UserError
+
+DATA = Path(__file__).parent / "data" / "gsm8k_shaped.jsonl"
+GSM8K = Columns(prompt="question", answer="answer", answer_format="gsm8k")
+
+
+def _rows() -> list[dict]:
+    return [json.loads(line) for line in DATA.read_text().splitlines()][:60]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    """The same 60 GSM8K-shaped rows in every format (the test split: the last 10)."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, d = _rows(), tmp_path_factory.mktemp("sources")
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), d / "rows.parquet")
+    with (d / "rows.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, ["question", "answer"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (d / "rows.json").write_text(json.dumps(rows))
+    (d / "columns.json").write_text(json.dumps({k: [r[k] for r in rows] for k in ("question", "answer")}))
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:50]),
+                                   "test": datasets.Dataset.from_list(rows[50:])})
+    splits.save_to_disk(str(d / "saved"))
+    shutil.copy(glob.glob(str(d / "saved" / "train" / "*.arrow"))[0], d / "rows.arrow")  # 50 rows
+    return {"jsonl": str(d / "rows.jsonl"), "parquet": str(d / "rows.parquet"), "csv": str(d / "rows.csv"),
+            "json": str(d / "rows.json"), "json-columns": str(d / "columns.json"), "arrow": str(d / "rows.arrow"),
+            "save_to_disk": str(d / "saved")}
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """``localrl/gsm8k-shaped`` (config main, splits train and test) in a fresh datasets cache, laid out as
+    ``datasets.load_dataset`` leaves a hub dataset it downloaded (its cache layout, its dataset_info.json)."""
+    datasets = pytest.importorskip("datasets")
+    import datasets.config
+
+    rows, cache = _rows(), tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, part in (("train", rows[:50]), ("test", rows[50:])):
+        (src / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    datasets.load_dataset("json", data_files={s: str(src / f"{s}.jsonl") for s in ("train", "test")},
+                          cache_dir=str(cache))
+    built = Path(glob.glob(str(cache / "json" / "*"))[0])
+    target = cache / "localrl___gsm8k-shaped" / "main"
+    target.parent.mkdir(parents=True)
+    shutil.move(str(built), str(target))
+    for info in target.glob("*/*/dataset_info.json"):
+        info.write_text(json.dumps({**json.loads(info.read_text()), "config_name": "main"}))
+    for arrow in target.glob("*/*/json-*.arrow"):  # the hub's files are named after the dataset
+        arrow.rename(arrow.with_name(arrow.name.replace("json-", "gsm8k-shaped-", 1)))
+    return "localrl/gsm8k-shaped"
+
+
+def test_answer_formats():
+    assert extract_answer("so 3 + 4 = 7.\n#### 1,007", "gsm8k") == "1007"
+    assert extract_answer("no marker here", "gsm8k") is None
+    assert extract_answer("between 3 and 12.5 apples", "last-number") == "12.5"
+    assert extract_answer("The answer: (B) twelve", r"regex:\(([A-D])\)") == "B"
+    assert extract_answer("plain", "") == "plain"
+
+
+def test_every_format_gives_the_same_rows(sources):
+    expected = [{"prompt": r["question"], "answer": r["answer"].rpartition("####")[2].strip()} for r in _rows()]
+    for name, source in sources.items():
+        rows = read_rows(source, GSM8K)
+        n = 50 if name in ("arrow", "save_to_disk") else 60  # the Arrow file and the dict's default split: train
+        assert [{k: r[k] for k in ("prompt", "answer")} for r in rows] == expected[:n], name
+    held = load_task(sources["save_to_disk"], eval_size=100, columns=Columns(**{**GSM8K.__dict__, "eval_split": "test"}))
+    assert [r["prompt"] for r in held.held_out] == [r["prompt"] for r in expected[50:]] and len(held.rows) == 50
+
+
+def test_a_cached_hub_id_reads_offline(hub_cache):
+    task = load_task(hub_cache, eval_size=100, columns=Columns("question", "answer", "gsm8k", "main", "train", "test"))
+    assert len(task.rows) == 50 and len(task.held_out) == 10 and task.rows[0]["answer"] == \
+        _rows()[0]["answer"].rpartition("####")[2].strip()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"prompt_column": "prompt"}, ":row 1: missing 'prompt' (--prompt-column names another); columns: question, answer"),
+    ({"data_split": "validation"}, "no split 'validation' (splits: train, test); set --data-split"),
+    ({"answer_format": "last-number", "answer_column": "question"}, None),  # every question holds a number: fine
+    ({"answer_format": r"regex:Z(\d+)"}, ":row 1: answer format regex:Z(\\d+) finds no answer"),
+])
+def test_bad_columns_and_splits_are_one_line(sources, overrides, message):
+    cfg = build_config(None, {"data": sources["save_to_disk"], "prompt_column": "question",
+                              "answer_format": "gsm8k", **overrides})
+    if message is None:
+        assert read_rows(cfg.data, Columns.of(cfg))
+        return
+    with pytest.raises(UserError) as e:
+        read_rows(cfg.data, Columns.of(cfg))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_uncached_hub_id_and_a_missing_config_are_one_line(hub_cache):
+    with pytest.raises(UserError, match="'localrl/not-there': not a file, a built-in task .* local Hugging Face "
+                                        "cache") as e:
+        read_rows("localrl/not-there")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"no config 'other' in the local cache \(cached: \['main'\]\)"):
+        read_rows(hub_cache, Columns("question", config="other"))
+
+
+@pytest.mark.slow
+def test_two_training_steps_from_every_format(sources, hub_cache, builtin_model, tmp_path, capsys):
+    """Through the CLI, as a user runs it: each source trains two steps and evaluates its held-out rows."""
+    from localrl.cli import main
+    from localrl.metrics import read_metrics
+
+    runs = {**sources, "hub": hub_cache}
+    for name, source in runs.items():
+        run = tmp_path / name
+        extra = ["--data-config", "main"] if name == "hub" else []
+        assert main(["train", "--data", source, *extra, "--prompt-column", "question", "--answer-format", "gsm8k",
+                     "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+                     "--eval-size", "4", "--run-dir", str(run), "--rollout", "torch"]) == 0, name
+        records = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2], name
+        assert [r["n"] for r in records if r["kind"] == "eval"] == [4, 4], name
