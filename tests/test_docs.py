@@ -94,3 +94,30 @@ def test_the_docs_site_builds_with_every_page(tmp_path):
     pages = sorted(p.relative_to(ROOT / "docs").with_suffix("").as_posix() for p in (ROOT / "docs").rglob("*.md"))
     built = [p for p in pages if (tmp_path / "site" / ("" if p == "index" else p) / "index.html").is_file()]
     assert built == pages and len(pages) >= 14
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_the_trl_page_maps_names_both_configs_have():
+    """docs/coming-from-trl.md's tables against TRL's GRPOConfig and localrl's TrainConfig: a field renamed or
+    dropped on either side fails here, not on the page."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from localrl.config import FIELDS
+
+    grpo = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    text = (ROOT / "docs" / "coming-from-trl.md").read_text()
+    same = re.findall(r"^\| `(\w+)` \|$", _section(text, "## Same name"), re.M)
+    assert len(same) >= 20 and all(n in grpo and n in FIELDS for n in same), \
+        [n for n in same if n not in grpo or n not in FIELDS]
+    renamed = re.findall(r"^\| `(\w+)` \| ((?:`\w+`(?:, )?)+) \|", _section(text, "## Different name"), re.M)
+    ours = [(theirs, re.findall(r"`(\w+)`", mine)) for theirs, mine in renamed]
+    assert len(ours) >= 10
+    assert all(theirs in grpo and theirs not in FIELDS and all(m in FIELDS for m in mine) for theirs, mine in ours), ours
+    shared = {n for n in grpo & set(FIELDS)}
+    assert shared <= set(same), f"same in both, missing from the page: {sorted(shared - set(same))}"
