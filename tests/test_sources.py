@@ -142,3 +142,18 @@ def test_two_training_steps_from_every_format(sources, hub_cache, builtin_model,
         records = read_metrics(run / "metrics.jsonl")
         assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2], name
         assert [r["n"] for r in records if r["kind"] == "eval"] == [4, 4], name
+
+
+def test_conversational_prompts_from_parquet(tmp_path):
+    """A `prompt` column of chat messages (TRL's conversational format) survives Parquet and reaches the rows."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": [{"role": "system", "content": "Answer with a number."},
+                        {"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    assert read_rows(str(tmp_path / "chat.parquet")) == rows
+    pq.write_table(pa.Table.from_pylist([{"prompt": [], "answer": "1"}]), tmp_path / "empty.parquet")
+    with pytest.raises(UserError, match=r"empty.parquet:row 1: 'prompt' must be a string or a list of \{role"):
+        read_rows(str(tmp_path / "empty.parquet"))
