@@ -30,12 +30,6 @@ SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
-def _environments():
-    from localrl.envs import environments  # (registered environments: the built-in ones and any a user added)
-
-    return environments
-
-
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -214,6 +208,10 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raise UserError naming the first impossible setting; returns self."""
+        from localrl.envs import environments  # the plug-in registries (built-ins and any a user added)
+        from localrl.objectives import objectives
+        from localrl.samplers import samplers
+
         checks = [
             ("group_size", self.group_size >= 2, "must be at least 2 (advantages compare completions within a group)"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
@@ -274,8 +272,8 @@ class TrainConfig:
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
                                                          "package.module:function)"),
-            ("env", not self.env or _environments().known(self.env),
-             f"must be empty or one of {', '.join(_environments().names())} (or package.module:function)"),
+            ("env", not self.env or environments.known(self.env),
+             f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -295,10 +293,6 @@ class TrainConfig:
             parse_bytes(self.memory_budget)
         # each plug-in checks its own settings section (localrl.registry): the objectives', samplers' and
         # environments' fields and the combinations they cannot run with
-        from localrl.envs import environments
-        from localrl.objectives import objectives
-        from localrl.samplers import samplers
-
         for registry in (objectives, samplers, environments):
             registry.check_settings(self)
         return self

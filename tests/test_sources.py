@@ -94,10 +94,14 @@ def test_every_format_gives_the_same_rows(sources):
     assert [r["prompt"] for r in held.held_out] == [r["prompt"] for r in expected[50:]] and len(held.rows) == 50
 
 
-def test_a_cached_hub_id_reads_offline(hub_cache):
+def test_a_cached_hub_id_reads_offline(hub_cache, monkeypatch):
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # a process online, as a user's may be
     task = load_task(hub_cache, eval_size=100, columns=Columns("question", "answer", "gsm8k", "main", "train", "test"))
     assert len(task.rows) == 50 and len(task.held_out) == 10 and task.rows[0]["answer"] == \
         _rows()[0]["answer"].rpartition("####")[2].strip()
+    assert datasets.config.HF_HUB_OFFLINE is False  # read offline, the process's own setting left as it was
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -177,15 +177,14 @@ def _require_datasets(what: str):
 
 
 def _table_rows(path: Path, suffix: str) -> Iterator[tuple[str, dict]]:
+    datasets = _require_datasets(str(path))  # (its pyarrow reads Parquet)
     try:
         if suffix == ".parquet":
             import pyarrow.parquet as pq
 
             table = pq.read_table(path)
         else:
-            table = _require_datasets(str(path)).Dataset.from_file(str(path)).data.table
-    except ImportError:
-        raise UserError(f"{path}: reading it needs the datasets package: pip install 'localrl[data]'") from None
+            table = datasets.Dataset.from_file(str(path)).data.table
     except Exception as e:  # pyarrow's and datasets' errors for a file that is not what its name says
         raise UserError(f"{path}: not a readable {suffix[1:]} file ({str(e).splitlines()[0][:160]})") from None
     for i, row in enumerate(table.to_pylist(), start=1):
@@ -218,7 +217,7 @@ def _disk_rows(path: Path, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
 def _hub_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
     """A hub id from the local ``datasets`` cache, offline: a dataset a user loaded once before."""
     datasets = _require_datasets(f"{what} {source}")
-    datasets.config.HF_HUB_OFFLINE = True  # never a download: the cache, or one line
+    offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True  # never a download
     try:
         found = datasets.load_dataset(source, c.config or None)
     except (ConnectionError, FileNotFoundError, ValueError) as e:
@@ -230,6 +229,8 @@ def _hub_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
         raise UserError(f"{what} {source!r}: not a file, a built-in task ({', '.join(BUILTIN_TASKS)}) or a dataset in "
                         f"the local Hugging Face cache ({datasets.config.HF_DATASETS_CACHE}; localrl never "
                         f"downloads: load it once with datasets.load_dataset). {first[:120]}", field="data") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline  # the process's own setting, as it was
     split = _split_of(found, source, c, what)
     for i, row in enumerate(split.to_list(), start=1):
         yield f"{source}:{c.split}:row {i}", row
