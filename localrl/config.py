@@ -203,6 +203,9 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "checkpoints kept on disk (older ones are deleted)")
     seed: int = _f(0, "seed of data order, sampling and initialisation")
     run_dir: str = _f("", "run directory; empty: runs/<date>-<time>")
+    report_to: str = _f("none", "experiment trackers that also get the run's records, comma-separated (TRL's "
+                                "name): none, tensorboard (event files in the run directory), trackio (its local "
+                                "store), or package.module:Class")
     device: str = _f("auto", "auto, cpu or cuda")
     threads: int = _f(0, "CPU threads for torch (0: all cores)")
 

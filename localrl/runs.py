@@ -47,6 +47,8 @@ STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the adapter weights
 ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
 EXPERIENCE = "experience.json"
+LEARNING_CURVE = "learning_curve.png"  # `localrl plot`'s default, and what --report-to logs at the end
+TENSORBOARD = "tensorboard"  # --report-to tensorboard's event files
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-")
 
@@ -72,6 +74,14 @@ class Run:
     @property
     def experience_path(self) -> Path:
         return self.path / EXPERIENCE
+
+    @property
+    def learning_curve_path(self) -> Path:
+        return self.path / LEARNING_CURVE
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / TENSORBOARD
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -4,6 +4,7 @@ Shared helper functions live in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# trackio reads its store's place once, at import: the tests' runs go to a folder of their own, not the user's
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="localrl-tests-trackio-")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from tests.helpers import ARCH_CONFIGS, make_tiny_model  # noqa: E402 (after the environment is set)

@@ -97,8 +97,9 @@ LAYERS = [
      "localrl.metrics", "localrl.modeling", "localrl.memory", "localrl.distributed", "localrl.models",
      "localrl.models.shapes", "localrl.quant"),
     # building blocks: prompt data and rewards, token generation, the update's maths, environments and the
-    # sandbox, the agent's protocol and session, held-out scoring and plots
-    ("localrl.data", "localrl.generation", "localrl.policy", "localrl.envs", "localrl.agent", "localrl.evaluation"),
+    # sandbox, the agent's protocol and session, held-out scoring and plots, experiment trackers
+    ("localrl.data", "localrl.generation", "localrl.policy", "localrl.envs", "localrl.agent", "localrl.evaluation",
+     "localrl.trackers"),
     ("localrl.samplers",),
     ("localrl.objectives",),  # objectives drive samplers
     ("localrl.training",),  # the loop drives objectives

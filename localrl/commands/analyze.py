@@ -14,8 +14,9 @@ from localrl.errors import UserError
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from localrl.evaluation.plot import plot_run
+    from localrl.runs import Run
 
-    out = plot_run(args.run, args.out or Path(args.run) / "learning_curve.png", args.title)
+    out = plot_run(args.run, args.out or Run(args.run).learning_curve_path, args.title)
     print(f"wrote {out}")
     return 0
 

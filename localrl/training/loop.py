@@ -38,6 +38,7 @@ from localrl.objectives import Objective, StepContext, objective_for
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
 from localrl.training.heap import return_freed_memory
+from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
 
 
@@ -106,6 +107,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
     objective.check(world())
     sampler.check(world())
     resolve_rewards(cfg.reward, cfg.reward_weights)
+    check_report_to(cfg.report_to)
     device = rank_device(pick_device(cfg.device), world())
     check_conversion(cfg, cfg.model, device)
     path, config = load_config(cfg.model)
@@ -165,6 +167,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     # a new run records from the start; a resumed one only once its checkpoint has loaded, so that a
     # failed resume leaves its directory exactly as it was
     sink = MetricsSink(None if resume or not w.is_main else run.metrics_path, listeners)
+    reporter = None
     try:
         sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.plan.why}"))
         for line in pre.budget.describe(pre.longest_prompt, pre.budget.cfg.max_new_tokens):
@@ -202,8 +205,13 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         w.broadcast_parameters(params)  # every rank starts from rank 0's adapter
         if w.is_main:
             run.write_config(cfg, base)  # from here on the run can be resumed
+            reporter = Reporter.open(cfg.report_to, run, cfg.to_dict(), start, log)  # --report-to's trackers
+            if reporter is not None:
+                sink.listeners.append(reporter)
         w.barrier()
     except BaseException as e:
+        if reporter is not None:
+            reporter.close()
         sink.close()
         sampler.close()
         if not resume and w.is_main:
@@ -286,6 +294,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             sink.emit(eval_after)
         w.barrier()
     finally:
+        if reporter is not None:
+            reporter.close()
         sink.close()
         sampler.close()
     return RunResult(run.path, done, interrupted, eval_before, eval_after)
