@@ -4,7 +4,7 @@ checks and output live there). Nothing here a user could not call from Python.
     localrl train [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]
     localrl eval [RUN_DIR] [--model M] [--data D] [--eval-size N] [--quantize auto|nf4|none] [--experience RUN] [--reliability F.png]
     localrl models build NAME | localrl models list
-    localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check]
+    localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check] [--ollama NAME]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key-file F] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m or q6_k (llama.cpp's quantizer); "
                    "default f16")
     p.add_argument("--no-check", action="store_true", help="skip the llama.cpp validation")
+    p.add_argument("--ollama", metavar="NAME", default="", help="then `ollama create NAME` from the Modelfile written "
+                   "beside the GGUF, `ollama show NAME`, and one greedy reply through Ollama's OpenAI-compatible "
+                   "endpoint compared with llama.cpp's (without the ollama binary: the command to run later)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a GGUF over an OpenAI-compatible HTTP API (llama-cpp-python)")

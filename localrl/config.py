@@ -53,9 +53,15 @@ class TrainConfig:
     answer_column: str = _f("answer", "the column holding each reference answer")
     answer_format: str = _f("", "how the answer column is read: empty (as it is), gsm8k (what follows ####), "
                                 "last-number, or regex:PATTERN (its first group)")
-    reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format or "
-                                "package.module:function; the first is the correctness reward that accuracy counts")
+    reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format, judge:URL|MODEL (an "
+                                "LLM judge behind an OpenAI-compatible endpoint) or package.module:function; the "
+                                "first is the correctness reward that accuracy counts")
     reward_weights: str = _f("", "comma-separated weight of each reward in `reward` (empty: 1 each)")
+    judge_concurrency: int = _f(4, "judges behind an HTTP endpoint (reward judge:URL|MODEL, experience_judge): "
+                                   "requests in flight at once")
+    judge_timeout: float = _f(120.0, "judges behind an HTTP endpoint: seconds a request may take")
+    judge_retries: int = _f(2, "judges behind an HTTP endpoint: retries of a request that failed to connect, timed "
+                               "out or got a 429 or 5xx (then it counts as failed)")
     check_reward: str = _f("auto", "a reward logged every step at weight 0 (never trained on) for the reward-hacking "
                                    "monitor: auto (the built-in addition task's independent verifier), none, or a "
                                    "name or module:function")
@@ -173,13 +179,17 @@ class TrainConfig:
                                 "and checkpointing (empty: micro_batch_size applies)")
     # the experience objective (objectives/experience.py)
     experience_judge: str = _f("", "objective experience: the model that compares each group's right and wrong "
-                                   "completions and edits the lessons (a model source as for model; empty: the "
-                                   "policy model itself)")
+                                   "completions and edits the lessons (a model source as for model, or an "
+                                   "OpenAI-compatible endpoint: http://HOST:PORT/v1|MODEL; empty: the policy model "
+                                   "itself)")
     experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
                                   "one drops the oldest)")
     experience_init: str = _f("", "objective experience: start from this library (a run directory's experience.json "
                                   "or such a file: lessons by a larger judge, or written by hand); empty: none")
     experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
+    experience_tokens: int = _f(0, "objective experience: the room the lessons get in every prompt, in tokens, held "
+                                   "free in the context (an addition drops the oldest lessons to fit, an edit that "
+                                   "cannot is invalid); 0: a quarter of the context, at most 256")
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer); empty: train on the data's prompts")
@@ -251,6 +261,9 @@ class TrainConfig:
              "needs beta > 0 (the reference is used by the KL term only)"),
             ("ref_model_mixup_alpha", 0 < self.ref_model_mixup_alpha <= 1, "must be in (0, 1]"),
             ("ref_model_sync_steps", self.ref_model_sync_steps >= 1, "must be at least 1"),
+            ("judge_concurrency", self.judge_concurrency >= 1, "must be at least 1"),
+            ("judge_timeout", self.judge_timeout > 0, "must be positive"),
+            ("judge_retries", self.judge_retries >= 0, "must be non-negative"),
             ("lr", self.lr > 0, "must be positive"),
             ("weight_decay", self.weight_decay >= 0, "must be non-negative"),
             ("max_grad_norm", self.max_grad_norm >= 0, "must be non-negative"),

@@ -206,3 +206,140 @@ def randomise_lora(model):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+# -- a judge behind an OpenAI-compatible endpoint, scripted -------------------------------------------------
+
+class ScriptedJudge:
+    """A real HTTP server on a loopback port that answers ``GET /v1/models`` and ``POST /v1/chat/completions`` as an
+    OpenAI-compatible judge would, with replies from ``reply(messages) -> str``; ``fail`` (a list of HTTP statuses)
+    is answered, one by one, before any reply; ``key``: the bearer key it requires. It keeps every request's
+    messages (``requests``) and the Authorization headers it saw. Use as a context manager; ``url`` is its base."""
+
+    MODEL = "scripted-judge"
+
+    def __init__(self, reply, fail: list[int] | None = None, key: str = ""):
+        import http.server
+        import threading
+
+        self.reply, self.fail, self.key = reply, list(fail or []), key
+        self.requests: list[list[dict]] = []
+        self.authorizations: list[str] = []
+        judge = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _authorised(self) -> bool:
+                judge.authorizations.append(self.headers.get("Authorization", ""))
+                if judge.key and self.headers.get("Authorization") != f"Bearer {judge.key}":
+                    self._send(401, {"error": {"message": "invalid api key"}})
+                    return False
+                return True
+
+            def do_GET(self):
+                if self._authorised():
+                    self._send(200, {"object": "list", "data": [{"id": judge.MODEL, "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if not self._authorised():
+                    return
+                with judge.lock:
+                    status = judge.fail.pop(0) if judge.fail else 200
+                    judge.requests.append(body["messages"])
+                if status != 200:
+                    self._send(status, {"error": {"message": f"scripted failure {status}"}})
+                    return
+                self._send(200, {"object": "chat.completion", "model": body["model"], "choices": [
+                    {"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": judge.reply(body["messages"])}}]})
+
+        self.lock = threading.Lock()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ScriptedJudge":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def grade_by_reference(messages: list[dict]) -> str:
+    """A judge reward's scripted grader: 10 when the graded answer's <answer> tag holds the reference answer."""
+    import re
+
+    user = messages[-1]["content"]
+    want = re.search(r"Reference answer: (.*)", user).group(1).strip()
+    graded = user.split("Answer to grade:\n", 1)[1]
+    tags = re.findall(r"<answer>(.*?)</answer>", graded, re.DOTALL)
+    return f"Score: {10 if tags and tags[-1].strip() == want else 0}"
+
+
+HAND_LESSONS = ("Add the two numbers digit by digit from the right, and carry 1 to the next column when a column "
+                "sums to 10 or more.", "Give only the final sum inside the answer tags, as digits.")
+
+
+def write_lessons(messages: list[dict]) -> str:
+    """An experience judge's scripted reply: the two hand-written lessons into an empty library, then KEEP."""
+    return "\n".join(f"ADD: {lesson}" for lesson in HAND_LESSONS) if "(none yet)" in messages[-1]["content"] \
+        else "KEEP"
+
+
+# -- a live `localrl serve` -------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_environment(**extra: str) -> dict:
+    """This process's environment without a developer's own LOCALRL_API_KEY, plus ``extra``."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "LOCALRL_API_KEY"} | extra
+
+
+def serving(gguf, log_dir: Path, *flags, env: dict | None = None):
+    """A live ``localrl serve`` of ``gguf`` on a free loopback port (its log in ``log_dir``): yields (its base URL,
+    its process) once it answers, and stops it afterwards."""
+    import urllib.request
+
+    port = free_port()
+    log_path = Path(log_dir) / "server.log"
+    log = log_path.open("w")  # a file, not a pipe: a full pipe would stall a server that logs errors
+    proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(gguf), "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env or server_environment())
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 60
+    try:
+        while True:
+            try:
+                request = urllib.request.Request(f"{base}/models", headers={"Authorization": "Bearer sekrit"})
+                urllib.request.urlopen(request, timeout=2).read()
+                break
+            except OSError:
+                assert proc.poll() is None, log_path.read_text()
+                assert time.time() < deadline, "the server did not answer within 60 s:\n" + log_path.read_text()
+                time.sleep(0.3)
+        yield base, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()

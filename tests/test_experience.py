@@ -39,6 +39,21 @@ def test_a_full_library_drops_its_oldest_lesson():
     assert lib.lessons == {3: c, 4: d}
 
 
+def test_the_library_keeps_to_the_room_the_prompt_has_for_it():
+    """``within`` (here: at most 100 characters of the block, header and numbers included) bounds the lessons: an
+    addition drops the oldest to fit, a lesson too long alone and a modification that would not fit are invalid."""
+    lib = ExperienceLibrary(capacity=12, within=lambda block: len(block) <= 100)
+    a, b = "Carry the one into the next column.", "Add from the right, digit by digit."
+    assert lib.apply([Edit("add", text=a), Edit("add", text=b)]) == (2, 0)
+    assert lib.lessons == {2: b}  # header 48 + two numbered lessons of 40 would be 130
+    assert lib.apply([Edit("add", text="A lesson far too long " * 4), Edit("modify", 2, "Add " * 20)]) == (0, 2)
+    assert lib.lessons == {2: b} and lib.next_number == 3
+    roomy = ExperienceLibrary(capacity=12, lessons={1: a, 2: b}, next_number=3)
+    roomy.within = lib.within
+    assert roomy.trim() == 1 and roomy.lessons == {2: b}
+    assert roomy == ExperienceLibrary(12, {2: b}, 3)  # (the room is not part of what a library is)
+
+
 def test_parse_edits_reads_one_edit_a_line_and_ignores_prose():
     reply = ("Sure! Here are the edits:\n"
              "ADD: Always carry the 1 when a column sums to 10 or more.\n"

@@ -231,6 +231,29 @@ def test_the_real_model_judges_training_free_grpo_groups(real_gguf, tmp_path):
     assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)
 
 
+def test_lessons_from_a_judge_behind_an_endpoint_raise_the_real_models_accuracy(real_gguf, tmp_path):
+    """Training-free GRPO of SmolLM2 with a judge over HTTP (scripted: it writes the two hand-written lessons of
+    docs/recipes.md into an empty library): held-out accuracy on the built-in addition task rises with no weight
+    changed (the adapter is LoRA's zero-initialised no-op before and after)."""
+    from safetensors.torch import load_file
+
+    from localrl.config import TrainConfig
+    from localrl.policy.experience import load_library
+    from localrl.training.loop import train
+    from tests.helpers import HAND_LESSONS, ScriptedJudge, write_lessons
+
+    with ScriptedJudge(write_lessons) as judge:
+        cfg = TrainConfig(model=str(real_gguf), objective="experience", experience_judge=f"{judge.url}|scripted-judge",
+                          steps=1, prompts_per_step=4, group_size=8, max_new_tokens=96, eval_size=40,
+                          run_dir=str(tmp_path / "run"))
+        result = train(cfg, log=lambda *_: None)
+    assert list(load_library(result.run_dir).lessons.values()) == list(HAND_LESSONS)
+    before, after = result.eval_before["accuracy"], result.eval_after["accuracy"]
+    assert after > before, (before, after)  # measured: 12.5% -> 17.5% of these 40
+    adapter = load_file(str(result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
+    assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)
+
+
 def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
     """A calibration evaluation asks SmolLM2 for a confidence tag; each completion's calibration reward is
     the Brier term of what it stated (-1 where it stated none)."""

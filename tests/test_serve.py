@@ -2,7 +2,6 @@
 
 import http.client
 import json
-import os
 import random
 import socket
 import subprocess
@@ -15,6 +14,9 @@ import urllib.request
 import pytest
 
 from localrl.quant.export import export
+from tests.helpers import free_port as _free_port
+from tests.helpers import server_environment as _environment
+from tests.helpers import serving
 
 pytestmark = pytest.mark.slow  # a live server, and chat subprocesses
 
@@ -23,12 +25,6 @@ def tiny_gguf(builtin_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     export(builtin_model, out, "f16", check=False, log=lambda *_: None)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body: bytes | None = None, key: str | None = None, scheme: str = "Bearer",
@@ -55,34 +51,11 @@ def _no_traceback(text: str) -> None:
 PIDS: dict[str, int] = {}  # a live server's base URL: its process id
 
 
-def _environment(**extra: str) -> dict:
-    """This process's environment without a developer's own LOCALRL_API_KEY, plus ``extra``."""
-    return {k: v for k, v in os.environ.items() if k != "LOCALRL_API_KEY"} | extra
-
-
 def _serve(gguf, tmp_path_factory, *flags, env: dict | None = None):
     """A live ``localrl serve`` of ``gguf``; yields its base URL, stops it afterwards."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = log_path.open("w")  # a file, not a pipe: a full pipe would stall a server that logs errors
-    proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(gguf), "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env or _environment())
-    base = f"http://127.0.0.1:{port}/v1"
-    PIDS[base] = proc.pid
-    deadline = time.time() + 60
-    while True:
-        try:
-            request = urllib.request.Request(f"{base}/models", headers={"Authorization": "Bearer sekrit"})
-            urllib.request.urlopen(request, timeout=2).read()
-            break
-        except OSError:
-            assert proc.poll() is None, log_path.read_text()
-            assert time.time() < deadline, "the server did not answer within 60 s:\n" + log_path.read_text()
-            time.sleep(0.3)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+    for base, proc in serving(gguf, tmp_path_factory.mktemp("serve"), *flags, env=env):
+        PIDS[base] = proc.pid
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,10 @@ import re
 from typing import Callable
 
 from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
+from localrl.data.judge import PREFIX as JUDGE_PREFIX
+from localrl.data.judge import judge_reward
 from localrl.errors import UserError, failure_line, user_callable
+from localrl.generation.endpoint import EndpointSettings
 
 RewardFn = Callable[..., list[float]]
 
@@ -156,23 +159,29 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """A built-in reward by name, or a user function named ``package.module:function``."""
+def resolve_reward(spec: str, judge: EndpointSettings | None = None) -> RewardFn:
+    """A built-in reward by name, a judge model behind an endpoint (``judge:URL|MODEL``, asked as ``judge``
+    says), or a user function named ``package.module:function``."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if spec.startswith(JUDGE_PREFIX):
+        return judge_reward(spec, judge or EndpointSettings())
     if ":" in spec:
         return user_callable(spec, "reward", "reward")
-    raise UserError(f"reward {spec!r}: unknown; use one of {', '.join(BUILTIN_REWARDS)} or package.module:function",
+    raise UserError(f"reward {spec!r}: unknown; use one of {', '.join(BUILTIN_REWARDS)}, judge:URL|MODEL or "
+                    f"package.module:function",
                     field="reward")
 
 
-def resolve_rewards(spec: str, weights: str = "") -> tuple[list[RewardFn], list[float]]:
-    """The rewards a config names (``spec``: comma-separated names or ``package.module:function``) and their
-    weights (``weights``: comma-separated numbers, one per reward; empty: 1 each)."""
+def resolve_rewards(spec: str, weights: str = "", judge: EndpointSettings | None = None
+                    ) -> tuple[list[RewardFn], list[float]]:
+    """The rewards a config names (``spec``: comma-separated names, ``judge:URL|MODEL`` or
+    ``package.module:function``) and their weights (``weights``: comma-separated numbers, one per reward; empty:
+    1 each)."""
     names = [name.strip() for name in spec.split(",") if name.strip()]
     if not names:
         raise UserError("config field reward: names no reward", field="reward")
-    fns = [resolve_reward(name) for name in names]
+    fns = [resolve_reward(name, judge) for name in names]
     if not weights.strip():
         return fns, [1.0] * len(fns)
     try:
@@ -190,13 +199,14 @@ def resolve_rewards(spec: str, weights: str = "") -> tuple[list[RewardFn], list[
 
 def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, max_new_tokens: int = 0,
                     reward_weights: str = "", check: RewardFn | None = None, length_weight: float = 0.0,
-                    calibration_weight: float = 0.0) -> tuple[list[RewardFn], list[float]]:
+                    calibration_weight: float = 0.0, judge: EndpointSettings | None = None
+                    ) -> tuple[list[RewardFn], list[float]]:
     """The rewards named in a config (the first is the correctness reward that accuracy counts), each at its
     weight, then the weighted format reward, then (with an ``overlong_cache``) the soft overlong punishment
     at weight 1, as in DAPO, then (with a ``length_weight``) Kimi's length reward at that weight, then (with a
     ``calibration_weight``) RLCR's Brier term at that weight, then the ``check`` reward at weight 0: logged,
     never trained on."""
-    fns, weights = resolve_rewards(reward, reward_weights)
+    fns, weights = resolve_rewards(reward, reward_weights, judge)
     correct = fns[0]
     fns, weights = fns + [format_reward], weights + [format_weight]
     if overlong_cache > 0:
@@ -217,7 +227,7 @@ def default_rewards(reward: str, format_weight: float, overlong_cache: int = 0, 
 def config_rewards(cfg, check: RewardFn | None = None) -> tuple[list[RewardFn], list[float]]:
     """``default_rewards`` of a run config (a ``TrainConfig``), with ``check`` at weight 0."""
     return default_rewards(cfg.reward, cfg.format_weight, cfg.overlong_cache, cfg.max_new_tokens, cfg.reward_weights,
-                           check, cfg.length_reward_weight, cfg.calibration_weight)
+                           check, cfg.length_reward_weight, cfg.calibration_weight, EndpointSettings.of(cfg))
 
 
 def reward_name(fn: RewardFn, index: int) -> str:
@@ -243,6 +253,8 @@ def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str,
         name = reward_name(fn, i)
         try:
             scores = list(fn(completions, **columns))
+        except UserError:
+            raise
         except Exception as e:  # noqa: BLE001 - a user's function: say which failed and how, in one line
             raise UserError(f"reward {name} failed: {failure_line(e)}", field="reward") from None
         if len(scores) != len(completions):
@@ -259,6 +271,18 @@ def score(reward_fns: list[RewardFn], completions: list[str], columns: dict[str,
                             field="reward")
         all_scores.append(values)
     return all_scores
+
+
+def reward_stats(reward_fns: list[RewardFn]) -> dict[str, int]:
+    """What the rewards that count their work (a judge's requests and failures: ``take_stats``) did since they
+    were last asked."""
+    out: dict[str, int] = {}
+    for fn in reward_fns:
+        take = getattr(fn, "take_stats", None)
+        if take is not None:
+            for key, value in take().items():
+                out[key] = out.get(key, 0) + value
+    return out
 
 
 def combine(scores: list[list[float]], weights: list[float]) -> list[float]:

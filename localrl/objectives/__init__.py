@@ -75,6 +75,11 @@ class Objective:
     def check(self, world: World) -> None:
         """Refuse what it cannot run with in this launch, in one line naming the field (torchrun included)."""
 
+    def prompt_tokens(self, info: ModelInfo) -> int:
+        """Tokens it adds to every prompt (a system message of its own), which the sampler then holds free in the
+        context and the memory plan counts; 0: none."""
+        return 0
+
     def preflight(self, info: ModelInfo, sampler: Sampler, plan: Plan) -> tuple[str, JudgeLoad | None]:
         """Before weights load, after the sampler's preflight (``plan``): another model it needs (its resolved
         path, "" for none) and that model's memory, which the run's plan then holds."""

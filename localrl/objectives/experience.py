@@ -13,9 +13,10 @@ from dataclasses import replace
 from localrl.config import check_fields
 from localrl.errors import UserError
 from localrl.objectives import Objective, StepContext, objectives, step_record
-from localrl.policy.experience import (MAX_LESSON_CHARS, ExperienceLibrary, Judge, check_judge_fits, contrasting_pairs,
-                                       initial_library, judge_load, judge_request, parse_edits, question_text,
-                                       reply_start)
+from localrl.generation.endpoint import Endpoint, EndpointSettings, is_endpoint
+from localrl.policy.experience import (MAX_LESSON_CHARS, EndpointJudge, ExperienceLibrary, Judge, check_judge_fits,
+                                       contrasting_pairs, initial_library, judge_load, judge_request,
+                                       library_tokens, parse_edits, question_text, reply_start, token_room)
 
 
 @objectives.register("experience")
@@ -23,7 +24,9 @@ class Experience(Objective):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.library: ExperienceLibrary | None = None
-        self.judge: Judge | None = None
+        self.judge: Judge | EndpointJudge | None = None
+        self.endpoint: Endpoint | None = None  # the judge behind an HTTP endpoint (experience_judge = http://...)
+        self.room = 0  # tokens the lessons may take in each prompt (0: unbounded)
 
     @staticmethod
     def check_settings(cfg) -> None:
@@ -37,12 +40,19 @@ class Experience(Objective):
             ("experience_init", not cfg.experience_init or chosen, "needs objective experience"),
             ("experience_judge", not cfg.experience_judge or chosen, "needs objective experience"),
             ("experience_judge_tokens", cfg.experience_judge_tokens >= 1, "must be at least 1"),
+            ("experience_tokens", cfg.experience_tokens >= 0, "must be non-negative (0: a quarter of the context)"),
+            ("experience_tokens", not cfg.experience_tokens or chosen, "needs objective experience"),
         ])
 
     def check(self, w) -> None:
         if w.distributed:
             raise UserError(f"config field objective: experience keeps one library in one process; launch it "
                             f"without torchrun (this launch has {w.size} ranks)", field="objective")
+
+    def prompt_tokens(self, info) -> int:
+        """The lessons' room in every prompt (``experience_tokens``): the sampler keeps it free in the context."""
+        self.room = library_tokens(self.cfg.experience_tokens, info.context)
+        return self.room
 
     def preflight(self, info, sampler, plan):
         """The library to start from must read; the judge (the policy model, or ``experience_judge``) must hold a
@@ -56,6 +66,10 @@ class Experience(Objective):
         except UserError as e:
             raise UserError(f"config field experience_init: {e}", field="experience_init") from None
         shape = ModelShape.from_config(info.config)
+        if is_endpoint(cfg.experience_judge):  # answers elsewhere: no weights here; unreachable is one line now
+            self.endpoint = Endpoint(cfg.experience_judge, "experience_judge", EndpointSettings.of(cfg))
+            self.endpoint.check()
+            return "", None
         if not cfg.experience_judge:
             check_judge_fits(info.tok, info.context, cfg.max_new_tokens, cfg.experience_judge_tokens,
                              f"the policy model {cfg.model} (the judge while experience_judge is empty)")
@@ -82,6 +96,15 @@ class Experience(Objective):
         self.library = initial_library(cfg.experience_size, cfg.experience_init)
         if "experience" in state:  # the library the checkpoint's step had
             self.library = replace(ExperienceLibrary.from_state(state["experience"]), capacity=cfg.experience_size)
+        if self.room:
+            self.library.within = token_room(ctx.tok, self.room)
+            dropped = self.library.trim()
+            if dropped:
+                ctx.log(f"experience: {dropped} of the oldest lessons left out, the rest fit the {self.room} tokens "
+                        f"of experience_tokens")
+        if self.endpoint is not None:
+            self.judge = EndpointJudge(self.endpoint, cfg.experience_judge_tokens)
+            return
         at_once = ctx.budget.judge_requests()  # as many requests at a time as the memory budget holds
         if not ctx.extra_model_path:
             self.judge = Judge(ctx.model, ctx.tok, cfg.experience_judge_tokens,
@@ -120,6 +143,7 @@ class Experience(Objective):
             "edits": changed,
             "invalid_edits": invalid,
             "judge_reply": next((r[:MAX_LESSON_CHARS] for r in replies if r), ""),  # the first, to see what it writes
+            **(self.judge.take_stats() if isinstance(self.judge, EndpointJudge) else {}),
         }
 
     def after_step(self, ctx: StepContext, step: int, record: dict) -> None:

@@ -30,12 +30,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from localrl.atomic import write_text_atomic
 from localrl.errors import UserError
 from localrl.runs import EXPERIENCE, Run
 
 MAX_LESSON_CHARS = 240
+DEFAULT_LIBRARY_TOKENS = 256  # the lessons' room in each prompt, unless experience_tokens says otherwise
+LESSONS_JOIN = "\n\n"  # between the task's own system message and the lessons
 MIN_LESSON_WORDS = 3
 HEADER = "Lessons from earlier attempts at such problems:"
 
@@ -93,13 +96,32 @@ class ExperienceLibrary:
     capacity: int = 12
     lessons: dict[int, str] = field(default_factory=dict)  # number -> text, oldest first
     next_number: int = 1
+    # whether the lessons' block (as the prompt gets it) fits the room the run keeps for it; None: any does
+    within: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
 
-    def add(self, text: str) -> int:
+    def add(self, text: str) -> int | None:
+        """Add a lesson; the oldest make room (beyond ``capacity`` lessons, or the room in the prompt). None, and
+        nothing changed, where the lesson alone does not fit the room."""
+        text = _clip(text)
+        if not self._fits({0: text}):
+            return None
         if len(self.lessons) >= self.capacity:
             del self.lessons[next(iter(self.lessons))]  # the oldest makes room
         number, self.next_number = self.next_number, self.next_number + 1
-        self.lessons[number] = _clip(text)
+        self.lessons[number] = text
+        self.trim()
         return number
+
+    def trim(self) -> int:
+        """Drop the oldest lessons until the rest fit the room; how many were dropped."""
+        dropped = 0
+        while len(self.lessons) > 1 and not self._fits(self.lessons):
+            del self.lessons[next(iter(self.lessons))]
+            dropped += 1
+        return dropped
+
+    def _fits(self, lessons: dict[int, str]) -> bool:
+        return self.within is None or not lessons or self.within(_block(lessons))
 
     def apply(self, edits: list[Edit]) -> tuple[int, int]:
         """Apply ``edits`` in order: (how many changed the library, how many were invalid); KEEP is neither."""
@@ -107,9 +129,11 @@ class ExperienceLibrary:
         for e in edits:
             if e.op == "keep":
                 continue
-            if e.op == "add" and is_lesson(e.text) and e.text not in self.lessons.values():
-                self.add(e.text)
-            elif e.op == "modify" and e.lesson in self.lessons and is_lesson(e.text):
+            if e.op == "add" and is_lesson(e.text) and e.text not in self.lessons.values() and \
+                    self.add(e.text) is not None:
+                pass
+            elif e.op == "modify" and e.lesson in self.lessons and is_lesson(e.text) and \
+                    self._fits({**self.lessons, e.lesson: e.text}):
                 self.lessons[e.lesson] = e.text
             elif e.op == "delete" and e.lesson in self.lessons:
                 del self.lessons[e.lesson]
@@ -120,15 +144,15 @@ class ExperienceLibrary:
         return changed, invalid
 
     def numbered(self) -> str:
-        return "\n".join(f"[{n}] {text}" for n, text in self.lessons.items())
+        return _numbered(self.lessons)
 
     def system(self, base: str | None) -> str | None:
         """The system message with the library: ``base`` (the task's own, if any), then the lessons; ``base``
         unchanged while the library is empty."""
         if not self.lessons:
             return base
-        block = f"{HEADER}\n{self.numbered()}"
-        return f"{base}\n\n{block}" if base else block
+        block = _block(self.lessons)
+        return f"{base}{LESSONS_JOIN}{block}" if base else block
 
     def state(self) -> dict:
         return {"capacity": self.capacity, "next_number": self.next_number,
@@ -143,6 +167,28 @@ class ExperienceLibrary:
         """Write the library to ``path`` (a run's ``experience_path``), atomically."""
         write_text_atomic(Path(path), json.dumps(self.state(), indent=1) + "\n")
         return Path(path)
+
+
+def _numbered(lessons: dict[int, str]) -> str:
+    return "\n".join(f"[{n}] {text}" for n, text in lessons.items())
+
+
+def _block(lessons: dict[int, str]) -> str:
+    return f"{HEADER}\n{_numbered(lessons)}"
+
+
+def token_room(tok, tokens: int) -> Callable[[str], bool]:
+    """``ExperienceLibrary.within`` for a room of ``tokens`` tokens of ``tok`` (the separator from the task's own
+    system message counted)."""
+    return lambda block: len(tok(LESSONS_JOIN + block, add_special_tokens=False)["input_ids"]) <= tokens
+
+
+def library_tokens(setting: int, context: int | None) -> int:
+    """The room the lessons get in every prompt: ``experience_tokens``, or (0) a quarter of the context, at most
+    ``DEFAULT_LIBRARY_TOKENS``."""
+    if setting:
+        return setting
+    return min(DEFAULT_LIBRARY_TOKENS, context // 4) if context else DEFAULT_LIBRARY_TOKENS
 
 
 def initial_library(capacity: int, source: str = "") -> ExperienceLibrary:
@@ -247,6 +293,22 @@ class Judge:
             self.model.train(was_training)
             replies = iter(decode_completions(self.tok, rollout))
         return [start + next(replies) if ok else None for ok in fits]
+
+
+class EndpointJudge:
+    """The judge behind an OpenAI-compatible endpoint (``experience_judge = http://...|MODEL``): a larger model a
+    user already runs (Ollama, llama.cpp's server, vLLM, ``localrl serve``). Its reply is not begun for it (a
+    server's chat API writes the whole reply); a request that failed after its retries is an empty reply (no
+    edit), counted in ``take_stats`` with the requests, retries and cached replies."""
+
+    def __init__(self, endpoint, max_new_tokens: int):
+        self.endpoint, self.max_new_tokens = endpoint, max_new_tokens
+
+    def __call__(self, requests: list[list[dict]], start: str = "") -> list[str]:
+        return [reply or "" for reply in self.endpoint.chat(requests, self.max_new_tokens)] if requests else []
+
+    def take_stats(self) -> dict[str, int]:
+        return {f"judge_{k}": v for k, v in self.endpoint.take_stats().items()}
 
 
 def judge_load(cfg, tok, context: int | None, shape, weights: int, longest_prompt: int):

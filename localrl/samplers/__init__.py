@@ -94,8 +94,10 @@ class Sampler:
     def check(self, world: World) -> None:
         """Refuse what it cannot run with in this launch (torchrun), in one line naming the field."""
 
-    def prepare(self, info: ModelInfo | None) -> Plan:
-        """Load and check the data before any weights load (``info`` None: for evaluation only, unchecked)."""
+    def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
+        """Load and check the data before any weights load (``info`` None: for evaluation only, unchecked);
+        ``reserve``: tokens the objective adds to every prompt (``Objective.prompt_tokens``), held free in the
+        context and counted in the plan."""
         raise NotImplementedError
 
     def start(self, model, tok, budget) -> None:

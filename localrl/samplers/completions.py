@@ -21,7 +21,7 @@ import torch
 from localrl.config import check_fields
 from localrl.data import Task, check_reward, load_task, system_prompt
 from localrl.data.monitors import reward_shares
-from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, score
+from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, reward_stats, score
 from localrl.data.sources import Columns, check_answer_format
 from localrl.distributed import world
 from localrl.errors import UserError
@@ -60,7 +60,7 @@ class Completions(Sampler):
 
     # -- before weights load ---------------------------------------------------------------------------------
 
-    def prepare(self, info: ModelInfo | None) -> Plan:
+    def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
         cfg = self.cfg
         system = system_prompt(cfg.system_prompt, cfg.model, cfg.calibration_weight > 0)
         if info is None:
@@ -70,17 +70,18 @@ class Completions(Sampler):
         widest_token = max(map(len, tok.get_vocab()), default=1)  # characters one token can cover, at most
 
         def fits(row: dict, where: str) -> None:
-            room = context - cfg.max_new_tokens if context else None
+            room = context - cfg.max_new_tokens - reserve if context else None
             prompt = row["prompt"]
             chars = (len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)) + \
                 len(system or "")
             at_least = chars // widest_token  # a bound that needs no tokenising (a 10 MB line takes half a minute)
             bounded = room is not None and at_least > room
             n = at_least if bounded else len(encode_prompts(tok, [row], system)[0])
-            self.longest = max(self.longest, n)
+            self.longest = max(self.longest, n + reserve)
             if room is not None and n > room:
+                also = f" and the objective's {reserve} (experience_tokens)" if reserve else ""
                 raise UserError(f"{where}: the prompt is {'at least ' if bounded else ''}{n} tokens; with "
-                                f"max_new_tokens {cfg.max_new_tokens} it does not fit the model's context of "
+                                f"max_new_tokens {cfg.max_new_tokens}{also} it does not fit the model's context of "
                                 f"{context} tokens (shorten it or lower max_new_tokens)", field="data")
 
         self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system, Columns.of(cfg))
@@ -176,6 +177,7 @@ class Completions(Sampler):
         """The groups of ``step``'s rows (this rank's share of the global batch), scored; with
         ``dynamic_sampling``, more rows while fewer than ``prompts_per_step`` groups differ."""
         cfg, w, model, tok = self.cfg, ctx.world, ctx.model, ctx.tok
+        reward_stats(self.reward_fns)  # (a judge's counts start from this step: an evaluation's are not its)
         self._overlong_budget(tokens)
         t0 = time.time()
         seed = cfg.seed * 1_000_003 + step
@@ -232,6 +234,7 @@ class Completions(Sampler):
     def after_step(self, record: dict) -> None:
         record["reward_shares"] = reward_shares(record["rewards"], dict(zip(reward_names(self.reward_fns),
                                                                             self.weights)))
+        record.update(reward_stats(self.reward_fns))  # a judge's requests, failures, retries, cached replies
 
     # -- evaluation --------------------------------------------------------------------------------------------
 

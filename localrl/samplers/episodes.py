@@ -53,7 +53,7 @@ class Episodes(Sampler):
             ("env_workers", cfg.env_workers >= 1, "must be at least 1"),
         ])
 
-    def prepare(self, info: ModelInfo | None) -> Plan:
+    def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
         """The tasks and the environment (its own checks), every held-out prompt against the context, and the
         longest trajectory (every turn and tool output at its limit, within the context) for the planner."""
         cfg = self.cfg

@@ -15,7 +15,7 @@ import time
 import torch
 
 from localrl.config import check_fields
-from localrl.data.rewards import combine, reward_names, score
+from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of
 from localrl.generation.markovian import sample_markovian, trace_rollout
@@ -60,6 +60,7 @@ class Markovian(Completions):
     def sample(self, ctx, step: int, tokens: int, system=lambda s: s) -> Batch:
         """B x G traces in chunks, scored as whole traces; the rows are the chunks, each with its trace's reward."""
         cfg, model, tok = self.cfg, ctx.model, ctx.tok
+        reward_stats(self.reward_fns)  # (a judge's counts start from this step)
         self._overlong_budget(tokens)
         t0 = time.time()
         seed = cfg.seed * 1_000_003 + step

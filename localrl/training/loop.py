@@ -120,7 +120,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
         raise UserError(f"config field max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the "
                         f"model's context of {context} tokens", field="max_new_tokens")
     info = ModelInfo(path, config, tok, context, device)
-    plan = sampler.prepare(info)
+    plan = sampler.prepare(info, objective.prompt_tokens(info))
     extra_path, extra_model = objective.preflight(info, sampler, plan)
     shape = ModelShape.from_config(config)
     # the planner's step: the sampler's longest row, the objective's rows per prompt

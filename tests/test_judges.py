@@ -1,0 +1,135 @@
+"""Judges behind OpenAI-compatible endpoints: ``--reward judge:URL|MODEL`` and ``experience_judge = http://...``,
+asked over real HTTP: a scripted judge on a loopback port (known replies, failures on demand, a required key) and
+``localrl serve`` of a built-in GGUF. Retries, failures, unparsable replies and cached replies are counted, never
+scored 0; an unreachable judge is one line before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from localrl.data.judge import judge_reward, parse_score
+from localrl.errors import UserError
+from localrl.generation.endpoint import Endpoint, EndpointSettings
+from localrl.policy.experience import load_library
+from localrl.training.loop import train
+from tests.helpers import (HAND_LESSONS, QUIET, ScriptedJudge, free_port, grade_by_reference, small, train_records,
+                           write_lessons)
+
+FAST = EndpointSettings(concurrency=3, timeout=10.0, retries=2)
+
+
+def test_an_endpoint_is_a_url_and_perhaps_a_model():
+    assert repr(Endpoint("http://127.0.0.1:8080", "reward")) == "http://127.0.0.1:8080/v1"
+    assert repr(Endpoint(" http://h:11434/v1/ | qwen2.5:7b ", "reward")) == "http://h:11434/v1|qwen2.5:7b"
+    with pytest.raises(UserError, match=r"^config field experience_judge: 'http://' is not an http\(s\)://HOST"):
+        Endpoint("http://", "experience_judge")
+
+
+def test_scores_are_read_from_the_judges_words():
+    assert [parse_score(r) for r in ("Score: 7", "**Score:** 10", "score=3/10", "I'd say Score 0.", "Score: 11",
+                                     "seven out of ten")] == [0.7, 1.0, 0.3, 0.0, None, None]
+
+
+def test_the_judge_reward_retries_caches_counts_and_never_scores_a_failure_0(monkeypatch):
+    monkeypatch.setenv("LOCALRL_JUDGE_API_KEY", "sekrit")
+    completions = ["<answer>5</answer>", "<answer>6</answer>", "<answer>5</answer>", "<answer>2</answer>"]
+    columns = {"prompt": ["2+3", "2+3", "2+3", "1+1"], "answer": ["5", "5", "5", "2"]}
+    with ScriptedJudge(grade_by_reference, fail=[503, 500], key="sekrit") as judge:
+        reward = judge_reward(f"judge:{judge.url}|{ScriptedJudge.MODEL}", FAST)
+        assert reward(completions, **columns) == [1.0, 0.0, 1.0, 1.0]
+        # two failures retried; the third completion is the first's request again: asked once
+        assert reward.take_stats() == {"judge_requests": 3, "judge_failed": 0, "judge_retries": 2, "judge_cached": 1,
+                                       "judge_unparsed": 0}
+        assert len(judge.requests) == 5 and set(judge.authorizations) == {"Bearer sekrit"}
+        assert reward(completions[:1], prompt=columns["prompt"][:1], answer=["5"]) == [1.0]  # from the cache
+        assert reward.take_stats()["judge_cached"] == 1 and len(judge.requests) == 5
+
+    # a request refused for good (a 400 is not retried) takes its group's mean, and is counted
+    with ScriptedJudge(grade_by_reference, fail=[400]) as judge:
+        reward = judge_reward(f"judge:{judge.url}", EndpointSettings(concurrency=1, timeout=10.0, retries=2))
+        scores = reward(["<answer>5</answer>", "<answer>5</answer> again", "<answer>6</answer>"],
+                        prompt=["2+3"] * 3, answer=["5"] * 3)
+        assert scores == [0.5, 1.0, 0.0]
+        assert reward.take_stats() | {} == {"judge_requests": 3, "judge_failed": 1, "judge_retries": 0,
+                                            "judge_cached": 0, "judge_unparsed": 0}
+
+    # a reply without a score is counted apart; a call that judged nothing stops in one line
+    with ScriptedJudge(lambda messages: "It looks fine to me.") as judge:
+        reward = judge_reward(f"judge:{judge.url}", FAST)
+        with pytest.raises(UserError, match=r"^reward judge: http://127\.0\.0\.1:\d+/v1\|scripted-judge judged none "
+                                            r"of 2 completions; no reply stated a score \(the first: 'It looks"):
+            reward(completions[:2], prompt=columns["prompt"][:2], answer=["5", "5"])
+        assert reward.take_stats()["judge_unparsed"] == 2
+
+
+def test_an_unreachable_judge_is_one_line_before_the_run_starts(builtin_model, tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}/v1|m"
+    with pytest.raises(UserError, match=r"^config field reward: the judge at http://127\.0\.0\.1:\d+/v1 does not "
+                                        r"answer \(.*refused.*\); start the server or fix the URL$"):
+        train(small(tmp_path / "a", steps=1, reward=f"numeric,judge:{closed}", judge_retries=0), **QUIET)
+    with pytest.raises(UserError, match=r"^config field experience_judge: the judge at .* does not answer"):
+        train(small(tmp_path / "b", steps=1, objective="experience", experience_judge=closed, judge_retries=0),
+              **QUIET)
+    with ScriptedJudge(write_lessons) as judge, pytest.raises(UserError, match=r"does not serve 'gpt-9' \(it lists "
+                                                                                r"scripted-judge\)"):
+        train(small(tmp_path / "c", steps=1, objective="experience", experience_judge=f"{judge.url}|gpt-9"), **QUIET)
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_a_run_with_a_judge_reward_logs_its_scores_and_counts(builtin_model, tmp_path):
+    """The scripted judge grades as the verifier does (the answer tag against the reference): each step's judge
+    reward equals its numeric reward, and every request is in the step's counts."""
+    with ScriptedJudge(grade_by_reference) as judge:
+        run = train(small(tmp_path / "run", steps=2, reward=f"numeric,judge:{judge.url}|{ScriptedJudge.MODEL}"),
+                    **QUIET)
+        probed = 2  # the rewards are tried on two made-up completions before the run starts
+        records = train_records(run.run_dir)
+        assert all(r["rewards"]["judge"] == pytest.approx(r["rewards"]["numeric_match"]) for r in records)
+        assert 0 < records[0]["rewards"]["judge"] < 1
+        assert all(r["judge_failed"] == 0 and r["judge_requests"] + r["judge_cached"] == 16 for r in records)
+        assert sum(r["judge_requests"] for r in records) + probed == len(judge.requests)
+
+
+def test_training_free_grpo_with_a_judge_behind_an_endpoint(builtin_model, tmp_path):
+    """The scripted judge writes the two hand-written lessons into the library, as far as the room the prompt keeps
+    for them allows (the built-in model's tokens are characters: in 160 of them, the first lesson, 169 tokens with
+    the header, does not fit; the second, 110, does); no weight changes."""
+    import torch
+    from safetensors.torch import load_file
+
+    with ScriptedJudge(write_lessons) as judge:
+        run = train(small(tmp_path / "run", steps=2, save_every=1, objective="experience", experience_tokens=160,
+                          experience_judge=f"{judge.url}|{ScriptedJudge.MODEL}"), **QUIET)
+    records = train_records(run.run_dir)
+    assert records[0]["judged_groups"] > 0 and records[0]["edits"] == 1 and records[0]["invalid_edits"] >= 1
+    assert all(r["judge_requests"] + r["judge_cached"] == r["judged_groups"] and r["judge_failed"] == 0
+               for r in records)
+    assert list(load_library(run.run_dir).lessons.values()) == [HAND_LESSONS[1]]
+    adapters = [load_file(str(run.run_dir / "checkpoints" / f"step-{s:06d}" / "adapter_model.safetensors"))
+                for s in (1, 2)]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+
+
+@pytest.mark.slow
+def test_judges_served_by_localrl_serve(builtin_model, tmp_path):
+    """``localrl serve`` of the built-in model's GGUF as both judges. With a context that holds the requests, they
+    all come back (the built-in model writes no lessons: its replies are invalid edits, counted); with the model's
+    own 256 tokens, the server refuses every judge request (400), and the run stops in one line before it starts."""
+    from localrl.quant.export import export
+    from tests.helpers import serving
+
+    gguf = tmp_path / "tiny.gguf"
+    export(builtin_model, gguf, "f16", check=False, log=lambda *_: None)
+    (tmp_path / "wide").mkdir()
+    for base, _ in serving(gguf, tmp_path / "wide", "--n-ctx", "2048"):
+        run = train(small(tmp_path / "run", steps=1, prompts_per_step=8, objective="experience",
+                          experience_judge=base, experience_judge_tokens=24), **QUIET)
+        record = train_records(run.run_dir)[0]
+        assert record["judged_groups"] > 0 and record["judge_requests"] > 0 and record["judge_failed"] == 0
+        assert record["judge_reply"] and record["edits"] == 0
+    (tmp_path / "narrow").mkdir()
+    for base, _ in serving(gguf, tmp_path / "narrow"):
+        with pytest.raises(UserError, match=r"^reward judge: http://127\.0\.0\.1:\d+/v1\|\S+ judged none of 2 "
+                                            r"completions; its last error: HTTP 400: .*context"):
+            train(small(tmp_path / "run2", steps=1, reward=f"numeric,judge:{base}", judge_retries=0), **QUIET)
+    assert not (tmp_path / "run2").exists()
