@@ -190,6 +190,17 @@ class TrainConfig:
     experience_tokens: int = _f(0, "objective experience: the room the lessons get in every prompt, in tokens, held "
                                    "free in the context (an addition drops the oldest lessons to fit, an edit that "
                                    "cannot is invalid); 0: a quarter of the context, at most 256")
+    # the ppo objective (objectives/ppo.py; TRL's PPOConfig names and defaults)
+    num_ppo_epochs: int = _f(4, "objective ppo: passes over each step's rollouts")
+    num_mini_batches: int = _f(1, "objective ppo: optimizer steps per pass, each on a share of the groups")
+    gamma: float = _f(1.0, "objective ppo: discount of GAE, per trained token")
+    lam: float = _f(0.95, "objective ppo: GAE's lambda")
+    cliprange_value: float = _f(0.2, "objective ppo: how far a value may move from the rollout's before the value "
+                                     "loss clips it")
+    vf_coef: float = _f(0.1, "objective ppo: weight of the value loss")
+    kl_coef: float = _f(0.05, "objective ppo: per-token KL to the reference, subtracted from the reward (beta "
+                              "adds KL to the loss instead)")
+    kl_estimator: str = _f("k1", "objective ppo: the per-token KL in the reward: k1 (log ratio) or k3")
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer); empty: train on the data's prompts")
@@ -435,6 +446,7 @@ HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and a
                  ("sampling: Markovian traces", "markovian_chunk"),
                  ("the policy loss (TRL's names and defaults)", "num_iterations"), ("KL to the reference", "beta"),
                  ("optimiser and memory", "lr"), ("objective experience (training-free GRPO)", "experience_judge"),
+                 ("objective ppo (PPO with a critic)", "num_ppo_epochs"),
                  ("agent training (--env)", "env"), ("evaluation, checkpoints, the run", "eval_size")]
 
 

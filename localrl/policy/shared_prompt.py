@@ -112,7 +112,10 @@ class ConcatForward:
     def __exit__(self, *exc):
         return False
 
-    def logprobs(self, rows: slice, with_entropy: bool = False):
+    def logprobs(self, rows: slice, with_entropy: bool = False, critic: torch.nn.Module | None = None):
+        """log p of ``rows``' completion tokens [n, R] (and their entropies); with a ``critic`` (a module from
+        hidden states [.., d] to [.., 1]), also its values [n, R] at the same positions: the state before each
+        token."""
         r, g = self.rollout, self.rollout.group_size
         prompt_rows = torch.arange(rows.start, rows.stop) // g
         c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
@@ -120,7 +123,13 @@ class ConcatForward:
         mask = torch.cat([r.prompt_mask[prompt_rows], r.completion_mask[rows][:, :-1]], dim=1).to(self.device)
         hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).last_hidden_state
         hidden = hidden[:, -c_ids.size(1):]  # [n, R, d]: the positions that predict completion tokens
-        return token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+        return self._from_hidden(hidden, c_ids, with_entropy, critic)
+
+    def _from_hidden(self, hidden: torch.Tensor, c_ids: torch.Tensor, with_entropy: bool, critic):
+        out = token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+        if critic is None:
+            return out
+        return out, critic(hidden.float()).squeeze(-1)
 
 
 class SharedPromptForward(ConcatForward):
@@ -157,7 +166,7 @@ class SharedPromptForward(ConcatForward):
             self._outputs = self._leaves = None
         return False
 
-    def logprobs(self, rows: slice, with_entropy: bool = False):
+    def logprobs(self, rows: slice, with_entropy: bool = False, critic: torch.nn.Module | None = None):
         r, g = self.rollout, self.rollout.group_size
         n_layers = (len(self._leaves) - 1) // 2
         keys, values, last = self._leaves[:n_layers], self._leaves[n_layers:-1], self._leaves[-1]
@@ -167,7 +176,7 @@ class SharedPromptForward(ConcatForward):
         first = last.index_select(0, prompt_of_row.to(self.device))[:, None]  # [n, 1, d]: predicts token 0
         t = c_ids.size(1) - 1  # completion tokens fed to the model (the last one is only predicted)
         if t == 0:
-            return token_logprobs(self.head, first, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+            return self._from_hidden(first, c_ids, with_entropy, critic)
         # Pack the micro-batch's completions of each prompt side by side in one sequence that
         # attends over that prompt's keys/values once: [prompts here, slots * t] tokens.
         prompts_here, slot = torch.unique_consecutive(prompt_of_row, return_counts=True)
@@ -195,7 +204,7 @@ class SharedPromptForward(ConcatForward):
         packed = out.last_hidden_state  # [entries, q, d]
         hidden = packed[entry.to(self.device)[:, None], index.to(self.device)]  # [n, t, d]
         hidden = torch.cat([first, hidden], dim=1)  # [n, R, d]
-        return token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
+        return self._from_hidden(hidden, c_ids, with_entropy, critic)
 
     def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A 4D mask in the form the model's attention takes: boolean for SDPA, additive otherwise."""
