@@ -133,3 +133,18 @@ def test_judges_served_by_localrl_serve(builtin_model, tmp_path):
                                             r"completions; its last error: HTTP 400: .*context"):
             train(small(tmp_path / "run2", steps=1, reward=f"numeric,judge:{base}", judge_retries=0), **QUIET)
     assert not (tmp_path / "run2").exists()
+
+
+def test_localrl_eval_of_the_run_gives_the_judges_lessons_as_the_run_did(builtin_model, tmp_path):
+    """`localrl eval RUN` of a training-free GRPO run whose judge answered over HTTP: the lessons it wrote are in
+    every prompt (the evaluation holds room for them in the context, as the run did), and the figure is the run's
+    own evaluation after training."""
+    from localrl.commands.eval import evaluate_policy
+    from localrl.training.loop import resume_config
+
+    with ScriptedJudge(write_lessons) as judge:
+        run = train(small(tmp_path / "run", steps=1, eval_size=16, objective="experience", experience_tokens=160,
+                          experience_judge=f"{judge.url}|{ScriptedJudge.MODEL}"), **QUIET)
+    assert list(load_library(run.run_dir).lessons.values()) == [HAND_LESSONS[1]]
+    result = evaluate_policy(resume_config(run.run_dir, {}), run.run_dir, samples=0)
+    assert result["accuracy"] == run.eval_after["accuracy"] and "with the 1 lessons" in result["model"]

@@ -97,10 +97,11 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     device = pick_device(cfg.device)
     path, config = load_config(cfg.model)
     tok = load_tokenizer(path)
-    plan = sampler.prepare(ModelInfo(path, config, tok, getattr(config, "max_position_embeddings", None), device)
-                           if run is not None else None)
-    sampler.require_held_out()
     library = None if cfg.env else experience_of(run, experience)
+    reserve = library.tokens(tok) if library is not None else 0  # the lessons lengthen every prompt
+    plan = sampler.prepare(ModelInfo(path, config, tok, getattr(config, "max_position_embeddings", None), device)
+                           if run is not None else None, reserve)
+    sampler.require_held_out()
     in_4bit = default_4bit(cfg.quantize, device)
     if run is not None:
         model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)

@@ -112,6 +112,10 @@ class ExperienceLibrary:
         self.trim()
         return number
 
+    def tokens(self, tok) -> int:
+        """The tokens of ``tok`` the lessons add to a prompt (0 while there are none)."""
+        return _token_count(tok, _block(self.lessons)) if self.lessons else 0
+
     def trim(self) -> int:
         """Drop the oldest lessons until the rest fit the room; how many were dropped."""
         dropped = 0
@@ -177,10 +181,14 @@ def _block(lessons: dict[int, str]) -> str:
     return f"{HEADER}\n{_numbered(lessons)}"
 
 
+def _token_count(tok, block: str) -> int:
+    """The tokens of a lessons block in a prompt (the separator from the task's own system message counted)."""
+    return len(tok(LESSONS_JOIN + block, add_special_tokens=False)["input_ids"])
+
+
 def token_room(tok, tokens: int) -> Callable[[str], bool]:
-    """``ExperienceLibrary.within`` for a room of ``tokens`` tokens of ``tok`` (the separator from the task's own
-    system message counted)."""
-    return lambda block: len(tok(LESSONS_JOIN + block, add_special_tokens=False)["input_ids"]) <= tokens
+    """``ExperienceLibrary.within`` for a room of ``tokens`` tokens of ``tok``."""
+    return lambda block: _token_count(tok, block) <= tokens
 
 
 def library_tokens(setting: int, context: int | None) -> int:
