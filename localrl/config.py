@@ -201,6 +201,9 @@ class TrainConfig:
     kl_coef: float = _f(0.05, "objective ppo: per-token KL to the reference, subtracted from the reward (beta "
                               "adds KL to the loss instead)")
     kl_estimator: str = _f("k1", "objective ppo: the per-token KL in the reward: k1 (log ratio) or k3")
+    # the turn_grpo objective (objectives/turn_grpo.py)
+    turn_discount: float = _f(1.0, "objective turn_grpo: discount of the turn rewards in each turn's return (1: the "
+                                   "first turn's advantage is the episode's; 0: each turn credited with its own)")
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer); empty: train on the data's prompts")
@@ -447,6 +450,7 @@ HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and a
                  ("the policy loss (TRL's names and defaults)", "num_iterations"), ("KL to the reference", "beta"),
                  ("optimiser and memory", "lr"), ("objective experience (training-free GRPO)", "experience_judge"),
                  ("objective ppo (PPO with a critic)", "num_ppo_epochs"),
+                 ("objective turn_grpo (turn-level credit)", "turn_discount"),
                  ("agent training (--env)", "env"), ("evaluation, checkpoints, the run", "eval_size")]
 
 

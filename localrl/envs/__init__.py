@@ -8,6 +8,9 @@ agent loop and SkyRL's ``BaseTextEnv`` users know:
     score = env.reward()                    # [0, 1], from a verifier of the final state
     env.close()                             # remove what the episode made
 
+and, optionally, ``env.turn_reward()`` after each step: a process reward for the turn just taken (None: none),
+which turn-level objectives (``turn_grpo``) credit to that turn's tokens.
+
 ``reset(seed)`` makes the episode reproducible: the same seed gives the same task and the same
 starting state. The rollout loop (``localrl/generation/agent_rollout.py``) owns the chat template, the
 token masks and the model; an environment sees and returns text only.

@@ -64,6 +64,7 @@ class ShellEnv:
         self.sandbox: Sandbox | None = None
         self.final_text = ""
         self.stats = EpisodeStats()
+        self._progress = 0.0  # the share of the verifier's checks the state met after the last turn
 
     def reset(self, seed: int) -> str:
         self.close()
@@ -74,6 +75,8 @@ class ShellEnv:
         self.sandbox = Sandbox(self.workdir, timeout=self.timeout, output_limit=self.output_limit,
                                isolation=self.isolation, private_workdir=True)
         self.final_text, self.stats = "", EpisodeStats()
+        self._progress = 0.0
+        self._progress = self._progress + (self.turn_reward() or 0.0)  # what the starting state already meets
         return self.task.instruction
 
     def step(self, action: str) -> tuple[str, bool]:
@@ -101,6 +104,17 @@ class ShellEnv:
         if not isinstance(self.task.check, Check):
             disarm(self.workdir)  # a user's verifier may follow links or open FIFOs; the built-in one does neither
         return self.task.score(self.workdir, self.final_text)
+
+    def turn_reward(self) -> float | None:
+        """The last turn's process reward: how much it raised the share of the verifier's checks the episode meets
+        (its files, and its answer once given), so the turns' rewards add up to what the episode met beyond the
+        starting state. None for a task with a user's verifier (running it after every turn is the user's call,
+        not ours)."""
+        if self.task is None or self.workdir is None or not isinstance(self.task.check, Check):
+            return None
+        progress = self.task.score(self.workdir, self.final_text)
+        reward, self._progress = progress - self._progress, progress
+        return reward
 
     def close(self) -> None:
         if self.workdir is not None:

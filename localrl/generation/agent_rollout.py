@@ -135,6 +135,8 @@ class Episode:
     done: bool = False
     answered: bool = False
     reward: float = 0.0
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # each model turn's [start, end) in tokens
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's reward after each turn (if any)
 
 
 @dataclass
@@ -184,9 +186,13 @@ def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, m
             turns = [cut_at_tool_call(tok, ids) for ids in turns]
             texts = [tok.decode(ids, skip_special_tokens=True) for ids in turns]
             t_env = time.monotonic()
-            results = list(pool.map(lambda pair: pair[0].env.step(pair[1]), zip(live, texts)))
+            results = list(pool.map(lambda pair: (pair[0].env.step(pair[1]), _turn_reward(pair[0].env)),
+                                    zip(live, texts)))
             env_seconds += time.monotonic() - t_env
-            for e, ids, text, (observation, done) in zip(live, turns, texts, results):
+            for e, ids, text, ((observation, done), turn_reward) in zip(live, turns, texts, results):
+                e.turn_spans.append((len(e.tokens), len(e.tokens) + len(ids)))
+                if turn_reward is not None:
+                    e.turn_rewards.append(turn_reward)
                 e.tokens += ids
                 e.own += [1] * len(ids)
                 e.texts.append(text)
@@ -211,6 +217,15 @@ def run_episodes(model, tok, make_env, task_seeds: list[int], group_size: int, m
     rollout = _assemble(prompts, episodes, group_size, tok.pad_token_id)
     return AgentRollout(rollout, episodes, rewards, _episode_stats(episodes, rewards, env_seconds, model_seconds,
                                                                    time.monotonic() - t0))
+
+
+def _turn_reward(env) -> float | None:
+    """The environment's process reward for the turn it just took, if it gives one."""
+    give = getattr(env, "turn_reward", None)
+    if give is None:
+        return None
+    value = give()
+    return None if value is None else float(value)
 
 
 def _sample(model, contexts, group_size, max_new_tokens, stop_ids, pad_id, temperature, generator) -> list[list[int]]:

@@ -28,14 +28,15 @@ from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward, ena
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
            entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None,
-           max_len: int | None = None) -> dict:
+           max_len: int | None = None, token_advantages: torch.Tensor | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``policy_update``. Returns policy_update's statistics plus what every step record reports about the update.
     ``reward_rows``: for a rollout whose rows are not the rewarded completions themselves (Markovian
     chunks), the reward each row takes its advantage from; ``max_len``: the longest a row can be (dr_grpo's
-    constant; default ``max_new_tokens``)."""
+    constant; default ``max_new_tokens``); ``token_advantages``: [N, R] advantages of each token, computed by the
+    caller (turn-level credit, one process), instead of one per completion from its group."""
     w = world()
     # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
     everyone = w.gather(rewards.tolist())
@@ -45,6 +46,8 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     advantages = advantages[offset:offset + rewards.numel()]
     if reward_rows is not None:
         advantages = advantages[reward_rows]
+    if token_advantages is not None:
+        advantages = token_advantages
     flat_groups = (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
@@ -121,7 +124,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
         # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
         # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
-        keep = advantages.view(-1, rollout.group_size).ne(0).any(dim=1)
+        per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(dim=-1)
+        keep = per_row.view(-1, rollout.group_size).ne(0).any(dim=1)
         if not w.any(bool(keep.any())):
             return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
         if not keep.any():  # (distributed: other ranks have groups to learn from; this one adds zeros)
@@ -129,6 +133,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         elif not keep.all():
             rows = keep.repeat_interleave(rollout.group_size)
             rollout, advantages = rollout.groups(keep), advantages[rows]
+            if advantages.dim() == 2:  # (the kept completions are trimmed to their longest)
+                advantages = advantages[:, :rollout.completion_ids.size(1)]
             if sampler_logp is not None:
                 sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
     trained = rollout.completion_ids.size(0)

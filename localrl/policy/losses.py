@@ -151,7 +151,7 @@ def grpo_loss(
     """
     s = settings
     eps_high = s.epsilon_high or s.epsilon
-    adv = advantages[:, None]  # [N, 1]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [N, 1], or [N, R] per token (turn credit)
     maskf = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [N, R]
     if s.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, of the mean log-ratio

@@ -73,6 +73,10 @@ class Batch:
     rows: list[dict] = field(default_factory=list)  # the prompts' data rows (single-turn)
     texts: list[str] = field(default_factory=list)  # the decoded completions (single-turn)
     extra: dict = field(default_factory=dict)  # the sampler's own fields of the step record
+    # an episode's turns (multi-turn samplers): each row's turns as [start, end) token spans of its completion,
+    # and the environment's reward after each turn where it gives one
+    turn_spans: list[list[tuple[int, int]]] | None = None
+    turn_rewards: list[list[float]] | None = None
 
 
 class Sampler:

@@ -102,7 +102,9 @@ class Episodes(Sampler):
         return Batch(rollout, rewards, [list(episodes.rewards)], ["env"],
                      rollout.trained_mask.sum(1).tolist(), rollout.truncated.float().mean().item(), time.time() - t0,
                      cfg.max_turns * tokens,  # dr_grpo's constant: the longest trajectory's model tokens
-                     extra={**self.setup.details, **{k: v for k, v in episodes.stats.items() if k != "success"}})
+                     extra={**self.setup.details, **{k: v for k, v in episodes.stats.items() if k != "success"}},
+                     turn_spans=[e.turn_spans for e in episodes.episodes],
+                     turn_rewards=[e.turn_rewards for e in episodes.episodes])
 
     @torch.no_grad()
     def evaluate(self, model, tok, progress: Callable[[int, int], None] | None = None, batch_size: int = 32,

@@ -1,0 +1,56 @@
+"""GRPO with turn-level credit for agents (``--env ... --objective turn_grpo``): an episode's turns are credited
+apart, from the rewards the environment gives after each turn (``localrl.policy.credit``: returns discounted by
+``turn_discount``, normalised among the group's episodes turn index by turn index), and each turn's tokens carry
+its own advantage through GRPO's loss. Everything else (the loss type, the KL, its reference and entropy state) is
+GRPO's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from localrl.config import FIELDS, check_fields
+from localrl.errors import UserError
+from localrl.objectives import StepContext, objectives, step_record
+from localrl.objectives.grpo import GRPO
+from localrl.policy.credit import turn_advantages
+from localrl.policy.grpo import update
+
+
+@objectives.register("turn_grpo")
+class TurnGRPO(GRPO):
+    @staticmethod
+    def check_settings(cfg) -> None:
+        chosen = cfg.objective == "turn_grpo"
+        check_fields(cfg, [
+            ("turn_discount", 0 <= cfg.turn_discount <= 1, "must be in [0, 1]"),
+            ("turn_discount", chosen or cfg.turn_discount == FIELDS["turn_discount"].default,
+             "needs objective turn_grpo"),
+            ("objective", not chosen or bool(cfg.env), "turn_grpo credits the turns of an episode: it needs env"),
+            ("loss_type", not chosen or cfg.loss_type != "vespo",
+             "vespo weighs whole sequences; turn_grpo's advantages are per token (another loss_type)"),
+            ("off_policy_mask_threshold", not chosen or not cfg.off_policy_mask_threshold,
+             "masks whole completions by their advantage's sign; not with turn_grpo"),
+        ])
+
+    def check(self, w) -> None:
+        if w.distributed:
+            raise UserError(f"config field objective: turn_grpo runs in one process for now; launch it without "
+                            f"torchrun (this launch has {w.size} ranks)", field="objective")
+
+    def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        t0 = time.time()
+        batch = ctx.sampler.sample(ctx, step, tokens, self.system)
+        if batch.turn_spans is None:
+            raise UserError("config field objective: turn_grpo needs a sampler of episodes (env)", field="objective")
+        width = batch.rollout.completion_ids.size(1)
+        advantages = turn_advantages(batch.turn_spans, batch.turn_rewards, batch.rewards.tolist(), self.cfg.group_size,
+                                     width, self.cfg.turn_discount)
+        stats = update(ctx.model, ctx.optimizer, batch.rollout, batch.rewards, self.cfg, step, ctx.budget,
+                       batch.sampler_logp, self.reference, self.entropy.applied(self.cfg), max_len=batch.max_len,
+                       token_advantages=advantages)
+        record = step_record(step, batch.rewards, batch.scores, batch.names, stats, batch.lengths, batch.truncated,
+                             t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"], ctx.device)
+        given = [r for rewards in batch.turn_rewards for r in rewards]
+        record["turn_reward_mean"] = sum(given) / len(given) if given else None  # the process rewards given
+        return {**record, **batch.extra}
