@@ -64,7 +64,7 @@ class ShellEnv:
         self.sandbox: Sandbox | None = None
         self.final_text = ""
         self.stats = EpisodeStats()
-        self._progress = 0.0  # the share of the verifier's checks the state met after the last turn
+        self._progress: float | None = None  # the share of the verifier's checks met after the last turn
 
     def reset(self, seed: int) -> str:
         self.close()
@@ -75,8 +75,12 @@ class ShellEnv:
         self.sandbox = Sandbox(self.workdir, timeout=self.timeout, output_limit=self.output_limit,
                                isolation=self.isolation, private_workdir=True)
         self.final_text, self.stats = "", EpisodeStats()
-        self._progress = 0.0
-        self._progress = self._progress + (self.turn_reward() or 0.0)  # what the starting state already meets
+        self._progress = None
+        if isinstance(self.task.check, Check):
+            try:  # what the starting state already meets (a check that cannot run fails in reward(), as it did)
+                self._progress = self.task.score(self.workdir, "")
+            except Exception:  # noqa: BLE001 - then this episode gives no turn rewards
+                self._progress = None
         return self.task.instruction
 
     def step(self, action: str) -> tuple[str, bool]:
@@ -110,7 +114,7 @@ class ShellEnv:
         (its files, and its answer once given), so the turns' rewards add up to what the episode met beyond the
         starting state. None for a task with a user's verifier (running it after every turn is the user's call,
         not ours)."""
-        if self.task is None or self.workdir is None or not isinstance(self.task.check, Check):
+        if self.task is None or self.workdir is None or self._progress is None:
             return None
         progress = self.task.score(self.workdir, self.final_text)
         reward, self._progress = progress - self._progress, progress
