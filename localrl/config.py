@@ -107,6 +107,10 @@ class TrainConfig:
     budget_stages: int = _f(2, "step schedule: equal stages of the run, the budget falling in equal steps "
                                "from max_new_tokens in the first to max_new_tokens_final in the last")
     # sampling: the completions sampler (samplers/completions.py)
+    sampler: str = _f("", "who samples a step's rollouts: empty picks by the other fields (an environment's "
+                          "episodes with env, Markovian traces with markovian_chunk, prompt completions otherwise); "
+                          "'prefix_tree': Tree-OPO, completions of a teacher's solution prefixes; 'plan_then_act': "
+                          "PTA-GRPO, plans first, then completions of each plan")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
     rollout: str = _f("auto", "who samples the completions: 'torch', 'llama.cpp' (batched, the adapter attached as "
                               "a GGUF LoRA each step; needs the llama extra), or 'auto': llama.cpp on a CPU when "
@@ -123,6 +127,20 @@ class TrainConfig:
                                  "sampled from the query plus the last markovian_carry tokens of the one before "
                                  "(0: off; max_new_tokens is then the whole trace's budget)")
     markovian_carry: int = _f(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
+    # the prefix_tree sampler (samplers/prefix_tree.py: Tree-OPO)
+    teacher_traces: str = _f("", "sampler prefix_tree: the teacher's worked solutions the prefixes are cut from: "
+                                 "empty for the built-in solver's (data arith), or a JSONL file of {prompt, trace} "
+                                 "lines covering every training prompt")
+    tree_prefixes: int = _f(3, "sampler prefix_tree: prefixes cut from each trace, at evenly spaced steps (lines) "
+                               "from the bare prompt on; each is completed group_size times")
+    tree_baseline: str = _f("expectation", "sampler prefix_tree: a prefix's value, subtracted from its completions' "
+                                           "rewards before the tree's GRPO normalisation: expectation (the mean "
+                                           "reward of its subtree), optimistic (its best), pessimistic (its worst)")
+    # the plan_then_act sampler (samplers/plan_then_act.py: PTA-GRPO)
+    plan_count: int = _f(4, "sampler plan_then_act: plans written for each prompt; each is completed group_size times")
+    plan_tokens: int = _f(32, "sampler plan_then_act: the longest plan, in tokens (a plan ends at </plan>)")
+    plan_weight: float = _f(1.0, "sampler plan_then_act: weight of a plan's reward (the share of its completions "
+                                 "that were right) in each of its completions' reward")
     # the policy loss, TRL's names and defaults (policy/losses.py; LossSettings is a view of these)
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
     loss_type: str = _f("grpo", "the policy loss, as TRL names it: grpo (each completion's mean, then over "
@@ -302,6 +320,8 @@ class TrainConfig:
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
                                                          "package.module:function)"),
+            ("sampler", not self.sampler or samplers.known(self.sampler),
+             f"must be empty or one of {', '.join(samplers.names())} (or package.module:Class)"),
             ("env", not self.env or environments.known(self.env),
              f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
             ("model", bool(self.model.strip()), "must not be empty"),
@@ -445,8 +465,10 @@ def parse_overrides(argv: list[str], allowed: list[str] | None = None) -> dict[s
 # ``localrl train -h`` groups the fields, as TRL's config docs do: (heading, the group's first field), in field order
 HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and adapter; the objective", "quantize"),
                  ("the step: prompts, group, completion budget", "steps"),
-                 ("sampling: prompt completions (torch or llama.cpp)", "temperature"),
+                 ("sampling: the sampler; prompt completions (torch or llama.cpp)", "sampler"),
                  ("sampling: Markovian traces", "markovian_chunk"),
+                 ("sampler prefix_tree (Tree-OPO)", "teacher_traces"),
+                 ("sampler plan_then_act (PTA-GRPO)", "plan_count"),
                  ("the policy loss (TRL's names and defaults)", "num_iterations"), ("KL to the reference", "beta"),
                  ("optimiser and memory", "lr"), ("objective experience (training-free GRPO)", "experience_judge"),
                  ("objective ppo (PPO with a critic)", "num_ppo_epochs"),

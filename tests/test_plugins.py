@@ -190,6 +190,8 @@ EVAL_KINDS = {
     "markovian": dict(markovian_chunk=16, markovian_carry=4),
     "agent": dict(model="tiny-shell", env="shell", max_turns=2, prompts_per_step=2, eval_size=6),
     "experience": dict(objective="experience", experience_judge_tokens=16),
+    "prefix_tree": dict(sampler="prefix_tree", prompts_per_step=2),
+    "plan_then_act": dict(sampler="plan_then_act", prompts_per_step=2, group_size=2, plan_count=2, plan_tokens=8),
 }
 
 

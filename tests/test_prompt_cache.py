@@ -190,3 +190,40 @@ def test_a_step_where_every_group_scored_alike_moves_neither_adapter_nor_optimiz
     assert stats == {"loss": 0.0, "kl": None, "clip_frac": 0.0}
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert [s["step"] for s in optimizer.state.values()] == steps
+
+
+def tree_rollout(vocab: int, pad_id: int) -> tuple[Rollout, Rollout]:
+    """A prefix tree (2 trunks of different lengths, 3 branch points each, 2 completions per branch) and the same
+    rows as plain prompt completions, each row's prompt being its trunk cut at its branch point."""
+    g = torch.Generator().manual_seed(1)
+    trunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 6)]
+    cuts = [[3, 6, 9], [2, 2, 6]]  # (two branches at the same point: siblings of separate nodes)
+    prompt_ids, prompt_mask = left_pad(trunks, pad_id)
+    branch = torch.tensor([c for row in cuts for c in row for _ in range(2)])
+    lengths = torch.tensor([4, 1, 6, 3, 2, 6, 5, 6, 1, 3, 6, 2])
+    r = int(lengths.max())
+    completion_mask = (torch.arange(r)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(0, vocab, (len(lengths), r), generator=g)
+    completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, pad_id))
+    tree = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == r, 6, branch=branch)
+    flat_ids, flat_mask = left_pad([trunks[i // 6][:c] for i, c in enumerate(branch.tolist())], pad_id)
+    flat = Rollout(flat_ids, flat_mask, completion_ids, completion_mask, lengths == r, 1)
+    return tree, flat
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_prefix_trees_shared_forward_equals_each_row_concatenated(tiny_models, arch):
+    """The trunk computed once, each row branching off it (any micro-batch, across trunks), gives the log-probs and
+    gradients of every row's prompt-and-prefix concatenated with its completion."""
+    model, _ = lora_policy(tiny_models[arch], four_bit=False)
+    tok_vocab = model.get_base_model().config.vocab_size
+    tree, flat = tree_rollout(tok_vocab, model.get_base_model().config.pad_token_id or 0)
+    naive = logprobs_and_grads(model, flat, ConcatForward, micro_batch=12)
+    assert_same(naive, logprobs_and_grads(model, tree, ConcatForward, micro_batch=5), tree.completion_mask)
+    for micro_batch in (12, 5):
+        assert_same(naive, logprobs_and_grads(model, tree, SharedPromptForward, micro_batch), tree.completion_mask)
+    # a cut changes the result: the rows do attend only to their own prefix
+    moved = Rollout(tree.prompt_ids, tree.prompt_mask, tree.completion_ids, tree.completion_mask, tree.truncated, 6,
+                    branch=tree.branch.clamp(max=5))
+    other = logprobs_and_grads(model, moved, SharedPromptForward, 5)
+    assert rel_err(other[0][tree.completion_mask.bool()], naive[0][tree.completion_mask.bool()]) > 1e-3

@@ -71,10 +71,14 @@ def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
     assert "full-precision base: a CPU" in status["message"]  # quantize=auto on a CPU
 
 
-@pytest.mark.parametrize("task", [[], ["--env", "shell", "--prompts-per-step", "4", "--group-size", "4"]],
-                         ids=["single-turn", "shell agent"])
+@pytest.mark.parametrize("task", [[], ["--env", "shell", "--prompts-per-step", "4", "--group-size", "4"],
+                                  ["--sampler", "prefix_tree", "--prompts-per-step", "2", "--tree-prefixes", "2"],
+                                  ["--sampler", "plan_then_act", "--prompts-per-step", "2", "--plan-count", "2"]],
+                         ids=["single-turn", "shell agent", "prefix tree", "plan then act"])
 def test_a_step_of_the_real_model_stays_under_a_3gb_budget(real_gguf, tmp_path, task):
-    """The whole process (load, rollouts, reference and update), measured as its peak resident set."""
+    """The whole process (load, rollouts, reference and update), measured as its peak resident set; a prefix tree's
+    trunks hold the built-in solver's prefixes, plan then act's rows a plan (asked for by the system message) and
+    its completion."""
     run = tmp_path / "run"
     flags = ["--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "32", *task, "--beta", "0.04"]
     proc = subprocess.run([sys.executable, "-m", "localrl", "train", "--model", str(real_gguf), "--steps", "1",

@@ -29,7 +29,7 @@ RUBRIC = ("You grade answers to problems. You are shown a problem, its reference
 _SCORE = re.compile(r"score\s*(?:\*\*)?\s*[:=]?\s*(?:\*\*)?\s*(\d+(?:\.\d+)?)\s*(?:/\s*10)?", re.IGNORECASE)
 
 
-def judge_request(prompt, answer, completion: str) -> list[dict]:
+def grading_request(prompt, answer, completion: str) -> list[dict]:
     """The chat messages that ask the judge to grade one completion."""
     question = prompt if isinstance(prompt, str) else "\n".join(
         m.get("content", "") for m in prompt or [] if isinstance(m, dict) and m.get("role") == "user")
@@ -60,7 +60,7 @@ class judge_reward:
                  **_) -> list[float]:
         n = len(completions)
         prompts, answers = prompt or [""] * n, answer or [""] * n
-        replies = self.endpoint.chat([judge_request(p, a, c) for p, a, c in zip(prompts, answers, completions)],
+        replies = self.endpoint.chat([grading_request(p, a, c) for p, a, c in zip(prompts, answers, completions)],
                                      REPLY_TOKENS)
         scores = [None if r is None else parse_score(r) for r in replies]
         self.unparsed += sum(r is not None and s is None for r, s in zip(replies, scores))

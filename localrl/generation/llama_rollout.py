@@ -27,6 +27,9 @@ from localrl.errors import UserError
 from localrl.quant.runtime import quiet, require_llama_cpp
 
 
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences
+
+
 @dataclass
 class Samples:
     tokens: list[list[int]]  # per completion, prompt-major
@@ -46,7 +49,7 @@ class LlamaCppSampler:
         if not self.model:
             raise UserError(f"llama.cpp cannot load {gguf_path}")
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        self.max_rows = max_rows
+        self.max_rows = max_rows = min(max_rows, MAX_SEQUENCES)  # (more rows are sampled a context-full at a time)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = max_rows * max_tokens  # split evenly: max_tokens cells for each sequence's stream
         cparams.n_batch = max(max_rows * max_tokens, 512)  # every prompt in one call (run 512 tokens at a time)
@@ -224,7 +227,13 @@ class LlamaCppRollout:
 
         write_lora_gguf(get_peft_model_state_dict(model), self.config, lora_alpha, self.adapter)
         self.sampler.set_adapter(self.adapter, 1.0)
-        samples = self.sampler.sample_groups(prompts, group_size, max_new_tokens, stop_ids, temperature, seed)
+        at_once = max(self.sampler.max_rows // group_size, 1)  # prompts whose groups the context holds at a time
+        samples = Samples([], [])
+        for i in range(0, len(prompts), at_once):
+            part = self.sampler.sample_groups(prompts[i:i + at_once], group_size, max_new_tokens, stop_ids,
+                                              temperature, seed + i // at_once)
+            samples.tokens += part.tokens
+            samples.logprobs += part.logprobs
         width = max(len(t) for t in samples.tokens)
         ids = torch.full((len(samples.tokens), width), pad_id, dtype=torch.long)  # [N, R] right-padded
         mask = torch.zeros_like(ids)

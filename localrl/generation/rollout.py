@@ -30,10 +30,26 @@ class Rollout:
     # trajectory interleaves the model's turns with the environment's (tool outputs, template), which
     # the model attends to but did not sample
     loss_mask: torch.Tensor | None = None
+    # [B*G] a prefix tree's rows (samplers/prefix_tree.py): each prompt is a trunk (the prompt and a teacher's
+    # deepest prefix) and each row continues only its first ``branch[row]`` real tokens
+    branch: torch.Tensor | None = None
 
     @property
     def trained_mask(self) -> torch.Tensor:
         return self.completion_mask if self.loss_mask is None else self.loss_mask
+
+    def row_prompts(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt each of ``rows`` continues, left-padded ([n, P] ids and mask): its group's prompt, or in a
+        prefix tree the trunk's first ``branch`` tokens, moved to the right end."""
+        index = torch.arange(rows.start, rows.stop) // self.group_size
+        ids, mask = self.prompt_ids[index], self.prompt_mask[index]
+        if self.branch is None:
+            return ids, mask
+        width = ids.size(1)
+        source = torch.arange(width)[None] - (mask.sum(-1) - self.branch[rows])[:, None]  # column read from
+        kept = source >= 0
+        source = source.clamp(min=0)
+        return ids.gather(1, source), mask.gather(1, source) * kept
 
     def groups(self, keep: torch.Tensor) -> "Rollout":
         """The prompts where ``keep`` ([B] bool) is set, with their groups; completions trimmed to the
@@ -43,7 +59,8 @@ class Rollout:
         width = max(int(mask.sum(-1).max()), 1) if mask.numel() else 1
         return Rollout(self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[rows, :width],
                        mask[:, :width], self.truncated[rows], self.group_size,
-                       None if self.loss_mask is None else self.loss_mask[rows, :width])
+                       None if self.loss_mask is None else self.loss_mask[rows, :width],
+                       None if self.branch is None else self.branch[rows])
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -56,12 +73,14 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     left = lambda t, value: F.pad(t, (p - t.size(1), 0), value=value)  # noqa: E731
     right = lambda t, value: F.pad(t, (0, w - t.size(1)), value=value)  # noqa: E731
     losses = None if all(r.loss_mask is None for r in rollouts) else [right(r.trained_mask, 0) for r in rollouts]
+    branches = None if all(r.branch is None for r in rollouts) else [
+        r.branch if r.branch is not None else r.prompt_mask.sum(-1).repeat_interleave(r.group_size) for r in rollouts]
     return Rollout(torch.cat([left(r.prompt_ids, pad_id) for r in rollouts]),
                    torch.cat([left(r.prompt_mask, 0) for r in rollouts]),
                    torch.cat([right(r.completion_ids, pad_id) for r in rollouts]),
                    torch.cat([right(r.completion_mask, 0) for r in rollouts]),
                    torch.cat([r.truncated for r in rollouts]), rollouts[0].group_size,
-                   None if losses is None else torch.cat(losses))
+                   None if losses is None else torch.cat(losses), None if branches is None else torch.cat(branches))
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ class TurnGRPO(GRPO):
                                      width, self.cfg.turn_discount)
         stats = update(ctx.model, ctx.optimizer, batch.rollout, batch.rewards, self.cfg, step, ctx.budget,
                        batch.sampler_logp, self.reference, self.entropy.applied(self.cfg), max_len=batch.max_len,
-                       token_advantages=advantages)
+                       advantages=advantages)
         record = step_record(step, batch.rewards, batch.scores, batch.names, stats, batch.lengths, batch.truncated,
                              t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"], ctx.device)
         given = [r for rewards in batch.turn_rewards for r in rewards]

@@ -1,4 +1,6 @@
-"""Turn-level credit for multi-turn episodes: each turn's tokens get an advantage of their own, from the rewards the
+"""Credit beyond one group-relative number per completion: turns of an episode, and prefixes of a tree.
+
+Turn-level credit for multi-turn episodes: each turn's tokens get an advantage of their own, from the rewards the
 environment gave after each turn (a process reward: the shell's share of its verifier's checks met so far), instead
 of the whole episode's one group-relative number.
 
@@ -11,11 +13,23 @@ two have one, or all alike): episodes are compared turn index by turn index, GiG
 k-th turns of a group's episodes share their starting point (at k = 0 they all do: the task's prompt). With
 gamma 1 the first turn's advantage is the episode-level GRPO advantage; with gamma 0 each turn is credited with
 what it achieved itself. Every token of a turn gets the turn's advantage; the environment's tokens get none.
+
+Prefix trees (Tree-OPO's staged advantages, Huang, Nguyen and Zimmer 2025, arXiv:2509.09284): a prompt's
+completions start from prefixes of a teacher's solution at different depths, and a completion from a deep prefix
+succeeds more easily than one from the bare prompt, so one group mean is the wrong baseline for both. Each
+completion's reward has its prefix's value subtracted, V(p) estimated from p's subtree (the completions of p and of
+every deeper prefix of the same trace): ``expectation`` their mean reward, ``optimistic`` their best, ``pessimistic``
+their worst (the paper's three heuristics); those differences are then normalised over the whole tree as GRPO
+normalises a group (the tree's mean subtracted, divided by its standard deviation per ``scale_rewards``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from localrl.policy.losses import group_advantages
+
+TREE_BASELINES = ("expectation", "optimistic", "pessimistic")
 
 
 def turn_returns(turn_rewards: list[float], turns: int, final: float, gamma: float) -> list[float]:
@@ -49,3 +63,26 @@ def turn_advantages(spans: list[list[tuple[int, int]]], turn_rewards: list[list[
                 start, end = spans[i][k]
                 out[i, start:min(end, width)] = a
     return out
+
+
+def tree_advantages(rewards: torch.Tensor, depths: torch.Tensor, group_size: int, baseline: str = "expectation",
+                    scale: str = "group") -> torch.Tensor:
+    """[T*K*G] advantages of T trees' completions (tree-major, then prefix, then sibling) from their ``rewards``;
+    ``depths`` [T, K]: how deep each of a tree's K prefixes is (steps of the trace; deeper prefixes extend shallower
+    ones), each completed ``group_size`` times. A prefix's subtree is every prefix of its tree at least as deep."""
+    trees, k = depths.shape
+    r = rewards.double().view(trees, k, group_size)
+    below = depths[:, None, :] >= depths[:, :, None]  # [T, K, K']: prefix K' is in the subtree of prefix K
+    if baseline == "expectation":
+        sums = (below.double() * r.sum(-1)[:, None, :]).sum(-1)
+        value = sums / (below.sum(-1) * group_size)
+    elif baseline in ("optimistic", "pessimistic"):
+        best = baseline == "optimistic"
+        ends = r.amax(-1) if best else r.amin(-1)  # [T, K]
+        fill = -torch.inf if best else torch.inf
+        spread = torch.where(below, ends[:, None, :], torch.full_like(ends[:, None, :], fill))
+        value = spread.amax(-1) if best else spread.amin(-1)
+    else:
+        raise ValueError(f"unknown tree baseline {baseline!r}; use {', '.join(TREE_BASELINES)}")
+    staged = (r - value[..., None]).reshape(-1)
+    return group_advantages(staged, k * group_size, scale)

@@ -28,26 +28,28 @@ from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward, ena
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
            entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None,
-           max_len: int | None = None, token_advantages: torch.Tensor | None = None) -> dict:
+           max_len: int | None = None, advantages: torch.Tensor | None = None) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
     ``policy_update``. Returns policy_update's statistics plus what every step record reports about the update.
     ``reward_rows``: for a rollout whose rows are not the rewarded completions themselves (Markovian
     chunks), the reward each row takes its advantage from; ``max_len``: the longest a row can be (dr_grpo's
-    constant; default ``max_new_tokens``); ``token_advantages``: [N, R] advantages of each token, computed by the
-    caller (turn-level credit, one process), instead of one per completion from its group."""
+    constant; default ``max_new_tokens``); ``advantages``: [N] advantages of each row or [N, R] of each token,
+    computed by the caller (a prefix tree's, turn-level credit's; one process), instead of one per completion from
+    its group."""
     w = world()
     # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
     everyone = w.gather(rewards.tolist())
     all_rewards = torch.tensor(sum(everyone, []), dtype=rewards.dtype)
     offset = sum(map(len, everyone[:w.rank]))
+    given = advantages
     advantages = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards).float()
     advantages = advantages[offset:offset + rewards.numel()]
     if reward_rows is not None:
         advantages = advantages[reward_rows]
-    if token_advantages is not None:
-        advantages = token_advantages
+    if given is not None:
+        advantages = given.float()
     flat_groups = (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())

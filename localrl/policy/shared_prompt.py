@@ -18,6 +18,10 @@ prompt's activations exist once and completion activations exist one micro-batch
 time. Log-softmax runs over chunks of tokens, recomputed in backward, so the
 [rows, tokens, vocab] logits tensor never exists.
 
+A prefix tree (``Rollout.branch``) is the same computation one level deeper: each prompt is a trunk (the
+prompt and a teacher's deepest prefix), computed once, and each row attends only to the trunk's tokens
+before its branch point and starts from the hidden state there.
+
 Gradient checkpointing uses the model's own per-layer checkpointing (non-reentrant); the
 caches below are safe under recomputation because re-running a layer never changes them.
 """
@@ -116,11 +120,11 @@ class ConcatForward:
         """log p of ``rows``' completion tokens [n, R] (and their entropies); with a ``critic`` (a module from
         hidden states [.., d] to [.., 1]), also its values [n, R] at the same positions: the state before each
         token."""
-        r, g = self.rollout, self.rollout.group_size
-        prompt_rows = torch.arange(rows.start, rows.stop) // g
+        r = self.rollout
         c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
-        ids = torch.cat([r.prompt_ids[prompt_rows].to(self.device), c_ids[:, :-1]], dim=1)
-        mask = torch.cat([r.prompt_mask[prompt_rows], r.completion_mask[rows][:, :-1]], dim=1).to(self.device)
+        prompt_ids, prompt_mask = r.row_prompts(rows)
+        ids = torch.cat([prompt_ids.to(self.device), c_ids[:, :-1]], dim=1)
+        mask = torch.cat([prompt_mask, r.completion_mask[rows][:, :-1]], dim=1).to(self.device)
         hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).last_hidden_state
         hidden = hidden[:, -c_ids.size(1):]  # [n, R, d]: the positions that predict completion tokens
         return self._from_hidden(hidden, c_ids, with_entropy, critic)
@@ -150,7 +154,9 @@ class SharedPromptForward(ConcatForward):
         self._mask = mask
         self._next_pos = mask.sum(-1)  # [B]: position of each prompt's first completion token
         self._outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
-        self._outputs.append(out.last_hidden_state[:, -1])  # [B, d]: left padding puts every prompt's end here
+        # the hidden state that predicts each row's first token: left padding puts every prompt's end in the last
+        # column ([B, d]); a prefix tree's rows branch off their trunk anywhere ([B, P, d], every column kept)
+        self._outputs.append(out.last_hidden_state if r.branch is not None else out.last_hidden_state[:, -1])
         self._grad = torch.is_grad_enabled()
         # Leaves: completion micro-batches backpropagate into these, not into the prompt graph.
         self._leaves = [t.detach().requires_grad_(self._grad) for t in self._outputs]
@@ -173,7 +179,15 @@ class SharedPromptForward(ConcatForward):
         row_ids = torch.arange(rows.start, rows.stop)
         prompt_of_row = row_ids // g
         c_ids = r.completion_ids[rows].to(self.device)  # [n, R]
-        first = last.index_select(0, prompt_of_row.to(self.device))[:, None]  # [n, 1, d]: predicts token 0
+        width = self._mask.size(1)
+        if r.branch is None:  # every row continues its whole prompt
+            cut = torch.full((len(row_ids),), width)
+            next_pos = self._next_pos.cpu().index_select(0, prompt_of_row)
+            first = last.index_select(0, prompt_of_row.to(self.device))[:, None]  # [n, 1, d]: predicts token 0
+        else:  # a prefix tree: the row sees its trunk's columns before ``cut``, and continues from there
+            next_pos = r.branch[rows]
+            cut = width - self._next_pos.cpu().index_select(0, prompt_of_row) + next_pos
+            first = last[prompt_of_row.to(self.device), (cut - 1).to(self.device)][:, None]
         t = c_ids.size(1) - 1  # completion tokens fed to the model (the last one is only predicted)
         if t == 0:
             return self._from_hidden(first, c_ids, with_entropy, critic)
@@ -189,15 +203,20 @@ class SharedPromptForward(ConcatForward):
         index = (k[:, None] * t + torch.arange(t)[None]).long()  # [n, t] position of each token in its entry
         ids[entry[:, None], index] = r.completion_ids[rows][:, :-1]
         live[entry[:, None], index] = r.completion_mask[rows][:, :-1].bool()
+        # each slot's first position and the prompt columns it sees (an unused slot: the whole prompt)
+        slot_pos = torch.zeros(len(prompts_here), slots, dtype=torch.long)
+        slot_cut = torch.full((len(prompts_here), slots), width)
+        slot_pos[entry, k], slot_cut[entry, k] = next_pos, cut
         b = prompts_here.to(self.device)
         cache = Cache(layers=[_PrefixLayer(kk.index_select(0, b), vv.index_select(0, b))
                               for kk, vv in zip(keys, values)])
         offset = torch.arange(q_len) % t
-        positions = self._next_pos.index_select(0, b)[:, None] + offset.to(self.device)[None]
+        positions = (slot_pos.repeat_interleave(t, dim=1) + offset[None]).to(self.device)
         same_completion = (torch.arange(q_len)[:, None] // t) == (torch.arange(q_len)[None] // t)
         causal = same_completion & (offset[:, None] >= offset[None])  # [q, q] within one completion
         own = causal[None] & live[:, None, :]  # [entries, q, q]
-        prefix = self._mask.index_select(0, b).bool()[:, None, :].expand(-1, q_len, -1)  # [entries, q, P]
+        seen = torch.arange(width)[None, None] < slot_cut.repeat_interleave(t, dim=1)[:, :, None]  # [entries, q, P]
+        prefix = self._mask.index_select(0, b).bool()[:, None, :] & seen.to(self.device)  # [entries, q, P]
         mask = torch.cat([prefix, own.to(self.device)], dim=-1)[:, None]  # [entries, 1, q, P + q]
         out = self.backbone(input_ids=ids.to(self.device), attention_mask=self._attention_mask(mask),
                             position_ids=positions, cache=cache, use_cache=True)

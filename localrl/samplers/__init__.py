@@ -1,8 +1,8 @@
 """Samplers: where a step's scored rollouts come from, and how held-out problems are decoded.
 
-A sampler is chosen by the config, not named by it: each registered sampler says whether a config
-``selects`` it (multi-turn episodes when ``env`` is set, Markovian traces when ``markovian_chunk`` is),
-and prompt completions are the default. The run's own evaluations, ``localrl eval``, the terminal UI
+A sampler is named by the config's ``sampler`` (Tree-OPO's prefix trees: ``prefix_tree``), or chosen by the
+rest of it: each registered sampler says whether a config ``selects`` it (multi-turn episodes when ``env`` is set,
+Markovian traces when ``markovian_chunk`` is), and prompt completions are the default. The run's own evaluations, ``localrl eval``, the terminal UI
 and the benchmarks all evaluate through the sampler's ``evaluate``, so one checkpoint gives one figure.
 
     sampler = sampler_for(cfg)                    # the class; sampler_for(cfg)(cfg, rewards) the instance
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from localrl.distributed import World
     from localrl.generation.rollout import Rollout
 
-samplers = Registry("sampler", "objective", "localrl.samplers")
+samplers = Registry("sampler", "sampler", "localrl.samplers")
 DEFAULT = "completions"
 
 
@@ -53,6 +53,7 @@ class Plan:
     backend: str = "torch"  # who samples: "torch" or "llama.cpp"
     why: str = ""  # the choice in words, for the run's first lines
     extra_bytes: int = 0  # memory held all run besides the policy (llama.cpp's copy and context)
+    rows_per_prompt: int = 0  # rows a step trains per prompt, for the planner (0: group_size; a tree's: more)
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Batch:
     rows: list[dict] = field(default_factory=list)  # the prompts' data rows (single-turn)
     texts: list[str] = field(default_factory=list)  # the decoded completions (single-turn)
     extra: dict = field(default_factory=dict)  # the sampler's own fields of the step record
+    advantages: torch.Tensor | None = None  # [rows] the sampler's own advantages, where its structure defines them
+    # (a prefix tree's), instead of the objective's group-relative ones
     # an episode's turns (multi-turn samplers): each row's turns as [start, end) token spans of its completion,
     # and the environment's reward after each turn where it gives one
     turn_spans: list[list[tuple[int, int]]] | None = None
@@ -142,6 +145,8 @@ class Sampler:
 
 
 def sampler_for(cfg: TrainConfig) -> type[Sampler]:
-    """The sampler class ``cfg`` selects (the default, prompt completions, when none does)."""
+    """The sampler class ``cfg`` names (``sampler``) or selects (the default, prompt completions, when none does)."""
+    if cfg.sampler:
+        return samplers.get(cfg.sampler)
     chosen = [s for name, s in samplers.items() if name != DEFAULT and s.selects(cfg)]
     return chosen[0] if chosen else samplers.get(DEFAULT)

@@ -216,20 +216,28 @@ class Completions(Sampler):
         """Sample and score the groups of ``rows`` (the ``share`` of the round's global batch); each group draws
         from its own generator, seeded by (``seed``, its global index), whichever rank samples it, so sampling
         as many prompts at a time as the memory budget holds gives the same completions."""
-        cfg, model, tok = self.cfg, ctx.model, ctx.tok
-        prompts, sampler_logp = encode_prompts(tok, rows, task.system), None
-        if self.llama is not None:
-            rollout, sampler_logp = self.llama.sample(model, prompts, cfg.group_size, tokens, ctx.stops,
-                                                      tok.pad_token_id, cfg.temperature, seed, cfg.lora_alpha)
-        else:
-            generators = group_generators(seed, range(share.start, share.start + len(rows)), ctx.device)
-            at_once = len(prompts) if ctx.budget is None else ctx.budget.rollout_prompts(
-                len(prompts), cfg.group_size, max(map(len, prompts)), tokens)
-            rollout = sample_in_chunks(model, prompts, cfg.group_size, tokens, ctx.stops, tok.pad_token_id,
-                                       cfg.temperature, generators, at_once)
+        cfg, tok = self.cfg, ctx.tok
+        prompts = encode_prompts(tok, rows, task.system)
+        rollout, sampler_logp = self.complete(ctx, prompts, cfg.group_size, tokens, seed, share.start)
         columns = {**columns_of(rows, cfg.group_size), "completion_ids": completion_token_ids(rollout)}
         texts = decode_completions(tok, rollout)
         return _Round(rollout, sampler_logp, score(self.reward_fns, texts, columns), texts, rows)
+
+    def complete(self, ctx, prompts: list[list[int]], group: int, tokens: int, seed: int, first: int = 0
+                 ) -> tuple[Rollout, torch.Tensor | None]:
+        """``group`` completions of up to ``tokens`` tokens of each of ``prompts`` (token ids), by this run's backend,
+        and llama.cpp's log-probabilities of them (None where torch samples). Torch draws each prompt's group from its
+        own generator, seeded by (``seed``, ``first`` + the prompt's index), so as many prompts at a time as the memory
+        budget holds give the same completions."""
+        cfg, model, tok = self.cfg, ctx.model, ctx.tok
+        if self.llama is not None:
+            return self.llama.sample(model, prompts, group, tokens, ctx.stops, tok.pad_token_id, cfg.temperature,
+                                     seed, cfg.lora_alpha)
+        generators = group_generators(seed, range(first, first + len(prompts)), ctx.device)
+        at_once = len(prompts) if ctx.budget is None else ctx.budget.rollout_prompts(
+            len(prompts), group, max(map(len, prompts)), tokens)
+        return sample_in_chunks(model, prompts, group, tokens, ctx.stops, tok.pad_token_id, cfg.temperature,
+                                generators, at_once), None
 
     def after_step(self, record: dict) -> None:
         record["reward_shares"] = reward_shares(record["rewards"], dict(zip(reward_names(self.reward_fns),

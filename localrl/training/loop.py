@@ -124,7 +124,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
     extra_path, extra_model = objective.preflight(info, sampler, plan)
     shape = ModelShape.from_config(config)
     # the planner's step: the sampler's longest row, the objective's rows per prompt
-    group = objective.rows_per_prompt or cfg.group_size
+    group = objective.rows_per_prompt or plan.rows_per_prompt or cfg.group_size
     planned = cfg if (plan.completion_tokens, group) == (cfg.max_new_tokens, cfg.group_size) else \
         replace(cfg, max_new_tokens=plan.completion_tokens, group_size=group)
     decodes = plan.backend == "torch"
