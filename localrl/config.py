@@ -231,6 +231,9 @@ class TrainConfig:
                                "all. The held-out evaluation always covers every family and level")
     env_levels: str = _f("", "comma-separated difficulty levels to train on (1, 2, 3), for a curriculum; empty: all")
     max_turns: int = _f(4, "model turns per episode, each at most max_new_tokens; an episode ends at its answer")
+    process_reward: str = _f("", "a user's process reward, package.module:function(state) -> float, called after each "
+                                 "turn with the environment's state (the shell's: instruction, workdir, turns, "
+                                 "answer); replaces the environment's own turn rewards (what turn_grpo credits)")
     env_workers: int = _f(8, "environment steps (sandboxed commands) run at once")
     env_timeout: float = _f(5.0, "seconds a command may run in the sandbox")
     isolation: str = _f("auto", "sandbox isolation: auto (the strongest that works here), bwrap, landlock, "

@@ -78,6 +78,37 @@ def test_the_shell_gives_each_turn_its_share_of_the_verifiers_checks(tmp_path):
     env.close()
 
 
+def files_made(state: dict) -> float:
+    """A user's process reward: a tenth for each file in the working directory (at most 1)."""
+    return min(sum(1 for p in state["workdir"].rglob("*") if p.is_file()) / 10, 1.0)
+
+
+def quarter(state: dict) -> float:
+    return 0.25
+
+
+def broken(state: dict) -> float:
+    raise KeyError("score")
+
+
+def test_a_users_process_reward_reads_the_shells_state_after_each_turn(tmp_path):
+    from localrl.envs.shell import ShellEnv
+    from localrl.envs.shell_tasks import generate
+    from tests.helpers import tool_call
+
+    task = generate(0, "multi", 1)
+    env = ShellEnv(lambda seed: task, max_turns=6, root=tmp_path)
+    env.reset(0)
+    before = files_made(env.state())
+    env.step(tool_call("touch a.txt b.txt"))
+    state = env.state()
+    assert state["turns"] == 1 and state["answer"] is None and state["instruction"] == task.instruction
+    assert files_made(state) == pytest.approx(before + 0.2)
+    env.step("<answer>done</answer>")
+    assert env.state()["answer"] == "<answer>done</answer>"
+    env.close()
+
+
 def _config(run_dir, **kw) -> TrainConfig:
     return build_config(None, {"env": "shell", "objective": "turn_grpo", "prompts_per_step": 2, "group_size": 4,
                                "eval_size": 0, "save_every": 1, "seed": 3, "run_dir": str(run_dir), **kw})
@@ -92,7 +123,27 @@ def test_a_turn_grpo_run_trains_and_resumes_exactly(tmp_path):
     assert train_records(tmp_path / "part") == records
 
 
+def test_a_turn_grpo_run_credits_a_users_process_reward(tmp_path):
+    """``--process-reward`` gives every turn's reward (the shell's own are not used): a function that says 0.25
+    after every turn makes every turn reward 0.25; the shell's own rewards of the same run are not all alike."""
+    result = train(_config(tmp_path / "run", steps=1, process_reward="tests.test_credit:quarter"), **QUIET)
+    [record] = train_records(result.run_dir)
+    assert record["turn_reward_mean"] == pytest.approx(0.25)
+    [own] = train_records(train(_config(tmp_path / "own", steps=1), **QUIET).run_dir)
+    assert own["turn_reward_mean"] != pytest.approx(0.25)
+
+
+def test_a_process_reward_that_fails_stops_before_anything_is_written(tmp_path):
+    with pytest.raises(UserError, match="process reward tests.test_credit:broken failed: KeyError: 'score'"):
+        train(_config(tmp_path / "run", process_reward="tests.test_credit:broken"), **QUIET)
+    with pytest.raises(UserError, match="process reward 'tests.test_credit:nope': cannot import it"):
+        train(_config(tmp_path / "run", process_reward="tests.test_credit:nope"), **QUIET)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flags, message", [
+    ({"process_reward": "m:f"}, "config field process_reward: scores an environment's turns: it needs env"),
+    ({"env": "shell", "process_reward": "nocolon"}, "config field process_reward: must be package.module:function"),
     ({"objective": "turn_grpo"}, "config field objective: turn_grpo credits the turns of an episode: it needs env"),
     ({"env": "shell", "objective": "turn_grpo", "turn_discount": 1.5}, "config field turn_discount: must be in"),
     ({"env": "shell", "turn_discount": 0.5}, "config field turn_discount: needs objective turn_grpo"),

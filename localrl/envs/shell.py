@@ -120,6 +120,16 @@ class ShellEnv:
         reward, self._progress = progress - self._progress, progress
         return reward
 
+    def state(self) -> dict:
+        """What a user's process reward (``process_reward``) reads after a turn: the task's instruction, the working
+        directory (on the host, disarmed: read it, never run what is in it), the turns taken, and the final
+        answer once given."""
+        if self.task is None or self.workdir is None:
+            raise RuntimeError("state() before reset()")
+        disarm(self.workdir)
+        return {"instruction": self.task.instruction, "workdir": self.workdir, "turns": self.stats.turns,
+                "answer": self.final_text if self.stats.answered else None}
+
     def close(self) -> None:
         if self.workdir is not None:
             self._cleanup()

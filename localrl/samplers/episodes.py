@@ -13,12 +13,13 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from localrl.config import FIELDS, check_fields
 from localrl.envs import EnvSetup, environment_for, task_list, task_seeds
-from localrl.errors import UserError
+from localrl.errors import UserError, failure_line, user_callable
 from localrl.generation.agent_rollout import TurnFormat, run_episodes, trajectory_budget
 from localrl.metrics import item_progress
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
@@ -35,6 +36,7 @@ class Episodes(Sampler):
         super().__init__(cfg)
         self.setup: EnvSetup | None = None
         self.context: int | None = None  # the model's (prepare sets it)
+        self.process: Callable[[dict], float] | None = None  # the user's process reward (prepare resolves it)
 
     @classmethod
     def selects(cls, cfg) -> bool:
@@ -50,6 +52,8 @@ class Episodes(Sampler):
             ("rollout", not (episodes and cfg.rollout == "llama.cpp"),
              "multi-turn episodes are sampled by torch (rollout = auto or torch)"),
             ("max_turns", cfg.max_turns >= 1, "must be at least 1"),
+            ("process_reward", not cfg.process_reward or episodes, "scores an environment's turns: it needs env"),
+            ("process_reward", not cfg.process_reward or ":" in cfg.process_reward, "must be package.module:function"),
             ("env_workers", cfg.env_workers >= 1, "must be at least 1"),
         ])
 
@@ -61,6 +65,8 @@ class Episodes(Sampler):
         if info is None:
             return Plan(0, cfg.max_new_tokens)
         self.context = info.context or 2048
+        if cfg.process_reward:
+            self.process = self._process_reward()
         fmt = TurnFormat(info.tok, self.setup.system)
         longest = max((len(fmt.prompt_ids(t.instruction)) for t in self.setup.held_out), default=0)
         if longest + cfg.max_new_tokens > self.context:
@@ -70,6 +76,28 @@ class Episodes(Sampler):
         trajectory = min(self.context - longest, trajectory_budget(fmt, cfg.max_turns, cfg.max_new_tokens))
         why = "; ".join(filter(None, ["rollouts: torch, multi-turn episodes", self.setup.describe]))
         return Plan(longest, trajectory, "torch", why)
+
+    def _process_reward(self) -> Callable[[dict], float]:
+        """The user's process reward, called once on a fresh episode's state, so that one that cannot be imported,
+        fails or returns no number stops the run before anything is written."""
+        fn = user_callable(self.cfg.process_reward, "process reward", "process_reward")
+        env = self.setup.make_env()
+        try:
+            if not callable(getattr(env, "state", None)):
+                raise UserError(f"config field process_reward: the {self.cfg.env} environment gives no state to "
+                                f"score (it has no state())", field="process_reward")
+            env.reset(0)
+            process_value(fn, env, self.cfg.process_reward)
+        finally:
+            env.close()
+        return fn
+
+    def make_env(self):
+        """An environment for a training episode: the user's process reward, where set, gives its turn rewards."""
+        env = self.setup.make_env()
+        if self.process is not None:
+            env.turn_reward = partial(process_value, self.process, env, self.cfg.process_reward)
+        return env
 
     @property
     def held_out(self) -> list:
@@ -94,7 +122,7 @@ class Episodes(Sampler):
         budget = ctx.budget
         at_once = None if budget is None else budget.rollout_prompts(len(seeds), cfg.group_size,
                                                                       budget.longest_prompt, budget.cfg.max_new_tokens)
-        episodes = run_episodes(model, tok, self.setup.make_env, seeds, cfg.group_size, tokens, ctx.stops,
+        episodes = run_episodes(model, tok, self.make_env, seeds, cfg.group_size, tokens, ctx.stops,
                                 cfg.temperature, generator, self.context or 2048, cfg.env_workers, system(self.setup.system),
                                 tasks_at_once=at_once)
         rollout = episodes.rollout
@@ -158,6 +186,19 @@ class Episodes(Sampler):
                          for f, rs in sorted(by_family.items())},
         }
         return {**result, "samples": shown} if samples else result
+
+
+def process_value(fn: Callable[[dict], float], env, name: str) -> float:
+    """``fn`` of ``env``'s state, as a float; a failure or a non-number is one line naming the function."""
+    try:
+        value = float(fn(env.state()))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's function: say which failed and how, in one line
+        raise UserError(f"process reward {name} failed: {failure_line(e)}", field="process_reward") from None
+    if not math.isfinite(value):
+        raise UserError(f"process reward {name} returned {value}", field="process_reward")
+    return value
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
