@@ -78,7 +78,7 @@ class judge_reward:
         return out
 
     def take_stats(self) -> dict[str, int]:
-        stats = {f"judge_{k}": v for k, v in self.endpoint.take_stats().items()}
+        stats = self.endpoint.take_stats("judge_")
         stats["judge_unparsed"], self.unparsed = self.unparsed, 0
         return stats
 

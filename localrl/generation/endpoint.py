@@ -123,11 +123,12 @@ class Endpoint:
             failed = set()
         return [None if k in failed else self._cache.get(k) for k in keys]
 
-    def take_stats(self) -> dict[str, int]:
-        """The counts since the last call: requests sent (retries apart), failed, retries, answered from the cache."""
+    def take_stats(self, prefix: str = "") -> dict[str, int]:
+        """The counts since the last call: requests sent (retries apart), failed, retries, answered from the cache;
+        each name after ``prefix``."""
         with self._lock:
             stats, self._stats = self._stats, dict.fromkeys(self._stats, 0)
-        return stats
+        return {prefix + k: v for k, v in stats.items()}
 
     # -- one request -----------------------------------------------------------------------------------------
 

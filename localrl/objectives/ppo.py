@@ -19,6 +19,7 @@ from localrl.config import FIELDS, check_fields
 from localrl.errors import UserError
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.grpo import batch_plan
+from localrl.policy.losses import flat_group_share
 from localrl.policy.ppo import Critic, ppo_update
 from localrl.policy.reference import Reference
 
@@ -75,8 +76,7 @@ class PPO(Objective):
         micro_batch, logits_chunk = batch_plan(ctx.model, batch.rollout, self.cfg, step, ctx.budget)
         stats = ppo_update(ctx.model, self.critic, ctx.optimizer, self.critic_optimizer, batch.rollout,
                            scores.float(), self.cfg, micro_batch, logits_chunk, self.reference)
-        groups = batch.rewards.view(-1, self.cfg.group_size)
-        stats.update(frac_reward_zero_std=(groups.std(dim=1) == 0).float().mean().item(),
+        stats.update(frac_reward_zero_std=flat_group_share(batch.rewards, self.cfg.group_size),
                      micro_batch=micro_batch or batch.rollout.completion_ids.size(0))
         record = step_record(step, batch.rewards, batch.scores, batch.names, stats, batch.lengths, batch.truncated,
                              t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"], ctx.device)

@@ -316,7 +316,7 @@ class EndpointJudge:
         return [reply or "" for reply in self.endpoint.chat(requests, self.max_new_tokens)] if requests else []
 
     def take_stats(self) -> dict[str, int]:
-        return {f"judge_{k}": v for k, v in self.endpoint.take_stats().items()}
+        return self.endpoint.take_stats("judge_")
 
 
 def judge_load(cfg, tok, context: int | None, shape, weights: int, longest_prompt: int):

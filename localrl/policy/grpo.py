@@ -19,8 +19,8 @@ from localrl.config import TrainConfig
 from localrl.distributed import world
 from localrl.errors import UserError
 from localrl.generation.rollout import Rollout
-from localrl.policy.losses import (LossSettings, group_advantages, grpo_loss, high_entropy_mask, high_entropy_threshold,
-                                   importance_weights, loss_normalizer, masked_mean)
+from localrl.policy.losses import (LossSettings, flat_group_share, group_advantages, grpo_loss, high_entropy_mask,
+                                   high_entropy_threshold, importance_weights, loss_normalizer, masked_mean)
 from localrl.policy.reference import Reference
 from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward, enable_checkpointing
 
@@ -50,7 +50,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
         advantages = advantages[reward_rows]
     if given is not None:
         advantages = given.float()
-    flat_groups = (all_rewards.view(-1, cfg.group_size).std(dim=1) == 0).float().mean().item()
+    flat_groups = flat_group_share(all_rewards, cfg.group_size)
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())
     model.train()

@@ -57,6 +57,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.masked_fill(flat, 0.0).reshape(-1)
 
 
+def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
+    """The share of groups (``group_size`` consecutive rewards) whose rewards are all alike: no learning signal."""
+    return (rewards.view(-1, group_size).std(dim=1) == 0).float().mean().item()
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (all of them, or along ``dim``)."""
     mask = mask.to(x.dtype)
