@@ -72,8 +72,10 @@ def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
 
 
 @pytest.mark.parametrize("task", [[], ["--env", "shell", "--prompts-per-step", "4", "--group-size", "4"],
-                                  ["--sampler", "prefix_tree", "--prompts-per-step", "2", "--tree-prefixes", "2"],
-                                  ["--sampler", "plan_then_act", "--prompts-per-step", "2", "--plan-count", "2"]],
+                                  ["--sampler", "prefix_tree", "--prompts-per-step", "2", "--tree-prefixes", "2",
+                                   "--group-size", "4"],
+                                  ["--sampler", "plan_then_act", "--prompts-per-step", "2", "--plan-count", "2",
+                                   "--group-size", "4", "--plan-tokens", "16"]],
                          ids=["single-turn", "shell agent", "prefix tree", "plan then act"])
 def test_a_step_of_the_real_model_stays_under_a_3gb_budget(real_gguf, tmp_path, task):
     """The whole process (load, rollouts, reference and update), measured as its peak resident set; a prefix tree's
