@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default="auto", help="system message: auto (the tool-call instructions, none for a "
                    "built-in agent or a run of one), none, or the text")
     p.add_argument("--n-ctx", type=int, default=0, help="context length of a GGUF (default 0: its training context)")
+    p.add_argument("--record", nargs="?", const="auto", default="", metavar="DIR",
+                   help="record the session (each proposed command, your decision and edit, the output; secrets "
+                   "masked; it stays on this machine) as a line of DIR/sessions.jsonl, for `--objective dpo`; "
+                   "without DIR: the run's sessions/ folder, when the source is a run")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("tui", help="terminal UI: train and watch runs, chat with a model, a terminal agent")

@@ -146,7 +146,8 @@ class TrainConfig:
     loss_type: str = _f("grpo", "the policy loss, as TRL names it: grpo (each completion's mean, then over "
                                 "completions), bnpo / dapo (over all tokens of the step), dr_grpo (token sum / "
                                 "(completions x max_new_tokens): no length bias), cispo (clipped detached ratio x "
-                                "log-prob), sapo (soft gate), luspo (each completion's sum), vespo (gamma weight)")
+                                "log-prob), sapo (soft gate), luspo (each completion's sum), vespo (gamma weight); "
+                                "objective dpo: sigmoid (DPO), ipo, hinge, robust")
     importance_sampling_level: str = _f("token", "policy ratio per 'token', or per 'sequence' (GSPO: the exponent of "
                                                  "the completion's mean log-ratio)")
     epsilon: float = _f(0.2, "clipping range of the policy ratio (its lower side, when epsilon_high is set)")
@@ -179,7 +180,9 @@ class TrainConfig:
                                                "negative advantage whose mean log-ratio to the sampler exceeds "
                                                "this; 0: off")
     # KL to the reference (policy/reference.py)
-    beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it)")
+    beta: float = _f(0.04, "weight of the KL penalty to the base model (0 disables it); objective dpo: DPO's beta, "
+                           "how far the preferences may move the policy from the reference (0.1, TRL's, by its "
+                           "preset)")
     sync_ref_model: bool = _f(False, "TR-DPO: every ref_model_sync_steps steps the KL reference becomes a mix of "
                                      "the adapter and the old reference (an adapter state: no second copy of the base)")
     ref_model_mixup_alpha: float = _f(0.6, "sync: ref = alpha x policy + (1 - alpha) x ref, of the LoRA factors "
@@ -219,6 +222,10 @@ class TrainConfig:
     kl_coef: float = _f(0.05, "objective ppo: per-token KL to the reference, subtracted from the reward (beta "
                               "adds KL to the loss instead)")
     kl_estimator: str = _f("k1", "objective ppo: the per-token KL in the reward: k1 (log ratio) or k3")
+    # the dpo objective (objectives/dpo.py; TRL's DPOConfig names: beta and loss_type are the shared fields above,
+    # set by its preset to TRL's 0.1 and sigmoid)
+    label_smoothing: float = _f(0.0, "objective dpo, loss_type robust: the assumed share of preference labels that "
+                                     "are flipped (0 to 0.5)")
     # the turn_grpo objective (objectives/turn_grpo.py)
     turn_discount: float = _f(1.0, "objective turn_grpo: discount of the turn rewards in each turn's return (1: the "
                                    "first turn's advantage is the episode's; 0: each turn credited with its own)")
@@ -319,7 +326,6 @@ class TrainConfig:
             ("rollout", self.rollout in ("auto", "torch", "llama.cpp"), "must be auto, torch or llama.cpp"),
             ("rollout_is", self.rollout_is == "none" or self.rollout_is in IS_MODES,
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
-            ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {', '.join(LOSS_TYPES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
                                                          "package.module:function)"),
@@ -340,6 +346,10 @@ class TrainConfig:
                 raise UserError(f"config field {name}: {value} is more than any run needs (at most {MAX_INT:,})",
                                 field=name)
         check_fields(self, checks)
+        # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's)
+        loss_types = getattr(dict(objectives.items()).get(self.objective), "loss_types", LOSS_TYPES)
+        check_fields(self, [("loss_type", self.loss_type in loss_types,
+                             f"must be one of {', '.join(loss_types)} for objective {self.objective}")])
         if self.memory_budget:
             from localrl.memory import parse_bytes
 

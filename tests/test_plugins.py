@@ -160,7 +160,7 @@ def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, ca
 
     assert main(["train", "--objective", "nope", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert "config field objective: 'nope' is not a known objective (one of answers, experience, grpo" in err
+    assert "config field objective: 'nope' is not a known objective (one of answers, dpo, experience, grpo" in err
     assert not (tmp_path / "r").exists()
     assert main(["train", "--env", "nope", "--run-dir", str(tmp_path / "r")]) == 2
     assert "config field env: must be empty or one of letters, shell" in capsys.readouterr().err
@@ -192,6 +192,7 @@ EVAL_KINDS = {
     "experience": dict(objective="experience", experience_judge_tokens=16),
     "prefix_tree": dict(sampler="prefix_tree", prompts_per_step=2),
     "plan_then_act": dict(sampler="plan_then_act", prompts_per_step=2, group_size=2, plan_count=2, plan_tokens=8),
+    "preferences": dict(objective="dpo", sampler="preferences", loss_type="sigmoid", beta=0.1, prompts_per_step=4),
 }
 
 

@@ -9,7 +9,10 @@ word in this directory from now on, "Never" denies it). Approved commands run in
 result, or the refusal, goes back to the model as the next turn, as in training. "Approve all"
 (off by default) skips the question for the rest of the session, except for dangerous lines.
 A built-in agent (tiny-shell, a run of it, or its GGUF) gets no system message, as in its
-training; other models get the tool-call instructions. The transcript is saved after every event.
+training; other models get the tool-call instructions. The transcript is saved after every event. With "Record"
+on (off by default; said in the transcript when a task starts), each task's episode is also appended to the
+sessions log (``localrl.agent.session_log``: each proposal, the decision and edit, the output, secrets masked) in
+the data directory's ``sessions/``, which ``--objective dpo`` learns from.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from textual.worker import get_current_worker
 
 from localrl.agent.approvals import Approvals
 from localrl.agent.session import agent_system
+from localrl.agent.session_log import Episode, SessionLog
 from localrl.agent.tool_calls import parse_tool_calls, system_message, tool_response
 from localrl.envs.sandbox import Sandbox
 from localrl.errors import UserError
@@ -56,6 +60,8 @@ class AgentScreen(Screen):
         self.approvals: Approvals | None = None
         self._worker = None  # the agent loop of the current task
         self.approve_all = False  # mirrors the switch; the worker reads this, never the widget
+        self.record = False  # mirrors the Record switch: each task's episode is recorded (opt-in)
+        self.sessions = SessionLog(data_dir / "sessions")
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -64,6 +70,8 @@ class AgentScreen(Screen):
             yield Input(self.workdir, id="workdir", compact=True, select_on_focus=False)  # Tab in: no overwrite
             yield Label("Approve all")
             yield Switch(False, id="approve-all")
+            yield Label("Record")
+            yield Switch(False, id="record")
         yield Static("", id="agent-status")
         yield VerticalScroll(id="transcript")
         with Vertical(id="approval"):
@@ -99,6 +107,8 @@ class AgentScreen(Screen):
     def on_switch_changed(self, event: Switch.Changed) -> None:
         if event.switch.id == "approve-all":
             self.approve_all = event.value
+        elif event.switch.id == "record":
+            self.record = event.value
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "approve":
@@ -125,8 +135,12 @@ class AgentScreen(Screen):
         self.approvals = Approvals(sandbox.workdir, self.approvals_file)
         self.cancel.clear()
         self._add("user", task)
+        episode = None
+        if self.record:
+            self._add("tool", self.sessions.describe())
+            episode = self.sessions.begin(task, getattr(self.app.chat_model, "name", ""), sandbox.workdir)
         self._set_status(f"sandbox: {sandbox.isolation}, as {sandbox.runs_as}")
-        self._worker = self._run(task, sandbox, system)
+        self._worker = self._run(task, sandbox, system, episode)
 
     def action_approve(self) -> None:
         if self.query_one("#approval").display:
@@ -149,7 +163,7 @@ class AgentScreen(Screen):
     # -- the agent loop (worker thread) ----------------------------------------------------
 
     @work(thread=True, exclusive=True, group="agent")
-    def _run(self, task: str, sandbox: Sandbox, system: str | None = "") -> None:
+    def _run(self, task: str, sandbox: Sandbox, system: str | None = "", episode: Episode | None = None) -> None:
         first = [system_message(str(sandbox.workdir))] if system == "" else (
             [{"role": "system", "content": system}] if system else [])
         messages = [*first, {"role": "user", "content": task}]
@@ -161,19 +175,26 @@ class AgentScreen(Screen):
             commands = parse_tool_calls(reply)
             if not commands:
                 break
-            command = self._ask(commands[0])  # one command per turn: the model sees each result
+            command, decision = self._ask(commands[0])  # one command per turn: the model sees each result
             if self.cancel.is_set():
                 break
             if command is None:
                 self._call(self._add, "tool", f"rejected: {commands[0]}")
                 messages.append(tool_response("The user rejected this command. Do not run it; ask or try "
                                               "something else."))
+                if episode is not None:
+                    episode.turn(len(messages) - 2, commands[0], decision, None)
                 continue
             self._call(self._set_status, f"running: {command}")
             result = sandbox.run(command)
             self._call(self._add, "tool", result.describe(), {"command": command, "exit_code": result.exit_code,
                                                               "timed_out": result.timed_out})
             messages.append(tool_response(result.describe(echo=False)))
+            if episode is not None:
+                episode.turn(len(messages) - 2, commands[0], decision, command, result.exit_code,
+                             result.describe(echo=False))
+        if episode is not None:  # (no rating asked here: the record's rating stays null)
+            self.sessions.end(episode, messages)
         self._call(self._set_status, "stopped" if self.cancel.is_set() else "done")
 
     def _stream_reply(self, messages: list[dict]) -> str | None:
@@ -187,25 +208,28 @@ class AgentScreen(Screen):
         self._call(self._finish_reply, view, "cancelled" if self.cancel.is_set() else "")
         return None if self.cancel.is_set() else view.text
 
-    def _ask(self, command: str) -> str | None:
+    def _ask(self, command: str) -> tuple[str | None, str]:
+        """(the command to run, None for none; the decision as a session log names it)."""
         decision, why = self.approvals.decide(command)
         if decision != "ask":
             self._call(self._add, "tool", f"{'allowed' if decision == 'allow' else 'refused'} without asking: {why}")
-            return command if decision == "allow" else None
+            return (command, "allowed") if decision == "allow" else (None, "refused")
         if self.approve_all and why == "not yet allowed here":  # dangerous or opaque lines are always asked
-            return command
+            return command, "approved"
         self._decided.clear()
         self._call(self._show_approval, command)
         worker = get_current_worker()
         while not self._decided.wait(0.1):
             if worker.is_cancelled:  # the app is closing
                 self.cancel.set()
-                return None
+                return None, "rejected"
         if self._remember is not None:
             first_word = (self._decision or command).split()[:1]
             if first_word:
                 self.approvals.remember(first_word[0], allow=self._remember)
-        return self._decision
+        if self._decision is None:
+            return None, "rejected"
+        return self._decision, "approved" if self._decision == command else "edited"
 
     def _call(self, fn, *args):
         return self.app.call_from_thread(fn, *args)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from localrl.agent.approvals import Approvals
+from localrl.agent.session_log import Episode, SessionLog
 from localrl.agent.tool_calls import parse_tool_calls, system_message, tool_response
 from localrl.envs.sandbox import Sandbox
 from localrl.errors import UserError
@@ -63,10 +64,12 @@ def check_workdir(workdir: str | Path, force: bool = False) -> Path:
 
 def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys.stdout, max_turns: int = 8,
               max_tokens: int = 256, timeout: float = 30.0, system: str | None = "",
-              approvals: Approvals | None = None, force_workdir: bool = False) -> list[dict]:
+              approvals: Approvals | None = None, force_workdir: bool = False, log: SessionLog | None = None,
+              rate: Callable[[], int | None] | None = None) -> list[dict]:
     """Work on ``task`` until the model answers without a tool call or ``max_turns`` turns pass; returns
     the conversation. ``system``: "" for the standard instructions (naming ``workdir``), None for none.
-    ``force_workdir``: allow ``/`` or the home directory (``check_workdir``)."""
+    ``force_workdir``: allow ``/`` or the home directory (``check_workdir``). ``log``: record the episode there
+    (each proposal, the decision, the output; ``rate()``: the person's rating at the end, or None)."""
     check_workdir(workdir, force_workdir)
     sandbox = Sandbox(workdir, timeout=timeout)
     approvals = approvals or Approvals(workdir)
@@ -74,6 +77,19 @@ def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys
         [{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": task})
     out.write(f"[sandbox: {sandbox.isolation}, as {sandbox.runs_as}; working directory {sandbox.workdir}]\n")
+    episode = None
+    if log is not None:
+        out.write(f"[{log.describe()}]\n")
+        episode = log.begin(task, getattr(model, "name", ""), sandbox.workdir)
+    _work(model, messages, sandbox, approvals, ask, out, max_turns, max_tokens, episode)
+    if episode is not None:
+        log.end(episode, messages, rate() if rate is not None else None)
+    return messages
+
+
+def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, ask: Ask, out: TextIO,
+          max_turns: int, max_tokens: int, episode: Episode | None) -> None:
+    """The agent's turns, appended to ``messages`` (and recorded in ``episode``)."""
     for _ in range(max_turns):
         reply = []
         out.write("agent: ")
@@ -91,7 +107,8 @@ def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys
                                               '"shell", "arguments": {"command": "..."}}</tool_call>'))
                 continue
             break
-        command = commands[0]
+        command = proposed = commands[0]
+        reply_at = len(messages) - 1
         decision, why = approvals.decide(command)
         if decision == "ask":
             action, value = ask(command, why)
@@ -102,15 +119,20 @@ def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys
                 command, decision = value, "allow"
             else:
                 decision = "deny"
+            outcome = "rejected" if decision == "deny" else ("approved" if command == proposed else "edited")
         else:
             out.write(f"[{'allowed' if decision == 'allow' else 'refused'}: {why}]\n")
+            outcome = "allowed" if decision == "allow" else "refused"
         if decision == "deny":
             messages.append(tool_response("The user refused to run this command. Try something else."))
+            if episode is not None:
+                episode.turn(reply_at, proposed, outcome, None)
             continue
         result = sandbox.run(command)
         out.write(result.describe() + "\n")
         messages.append(tool_response(result.describe(echo=False)))
-    return messages
+        if episode is not None:
+            episode.turn(reply_at, proposed, outcome, command, result.exit_code, result.describe(echo=False))
 
 
 def terminal_ask(stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> Ask:
@@ -139,3 +161,17 @@ def terminal_ask(stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> Ask:
             if choice == "d":
                 return "never", first
     return ask
+
+
+def terminal_rating(stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> Callable[[], int | None]:
+    """The rating asked at the end of a recorded session: 1 to 5, or Enter for none."""
+    def rate() -> int | None:
+        while True:
+            out.write("rate this session from 1 (useless) to 5 (just right), or Enter to skip: ")
+            out.flush()
+            answer = stdin.readline().strip()
+            if not answer:
+                return None
+            if answer in ("1", "2", "3", "4", "5"):
+                return int(answer)
+    return rate

@@ -65,3 +65,11 @@ def without_tool_calls(text: str) -> str:
 def tool_response(text: str) -> dict:
     """A command's result (or the user's refusal) as the next user turn."""
     return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+
+
+def with_command(text: str, command: str) -> str:
+    """``text`` with its first tool call replaced by a shell call of ``command`` (what the model would have written
+    to propose it: a person's edit of its proposal)."""
+    call = '<tool_call>{"name": "shell", "arguments": {"command": ' + json.dumps(command) + '}}</tool_call>'
+    found = _TOOL_CALL.search(text)
+    return text + call if found is None else text[:found.start()] + call + text[found.end():]

@@ -52,7 +52,7 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
                 if observation:
                     print(f"    shell: {one_line(observation)}")
         return 0
-    for i, sample in enumerate(result["samples"], 1):  # what the rewards saw, so a score can be understood
+    for i, sample in enumerate(result.get("samples", []), 1):  # what the rewards saw, so a score can be understood
         print(f"\n[{i}] prompt: {one_line(sample['prompt'])}\n    answer: {sample['answer']}"
               f"\n    completion: {one_line(sample['completion'])}\n    rewards: "
               + ", ".join(f"{name} {value:g}" for name, value in sample["rewards"].items()))

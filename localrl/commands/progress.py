@@ -78,6 +78,10 @@ def eval_line(r: dict) -> str:
         return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
                 f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
                 f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
+    if "logp_accuracy" in r:  # preference pairs (samplers/preferences.py)
+        return (f"preference accuracy {r['accuracy']:.1%} (implicit reward; a tie counts half), mean margin "
+                f"{r['reward_mean']:.3f}, the policy's own log-probability prefers the chosen in "
+                f"{r['logp_accuracy']:.1%} ({r['n']} held-out pairs)")
     line = f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
     if "ece" in r:
         line += (f"; calibration: ECE {r['ece']:.3f}, Brier {r['brier']:.3f}, mean confidence "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from localrl.commands import quiet_libraries
 from localrl.errors import UserError
@@ -42,19 +43,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def record_directory(setting: str, source: str) -> Path:
+    """Where ``--record`` keeps sessions: its DIR, or (given without one) the run's ``sessions/`` folder."""
+    from localrl.runs import Run
+
+    if setting != "auto":
+        return Path(setting)
+    if Path(source).is_dir() and Run(source).config_path.is_file():
+        return Path(source) / "sessions"
+    raise UserError(f"agent --record: {source} is not a run; name the directory to record in (--record DIR)")
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
-    from localrl.agent.session import agent_system, check_workdir, run_agent, terminal_ask
+    from localrl.agent.session import agent_system, check_workdir, run_agent, terminal_ask, terminal_rating
+    from localrl.agent.session_log import SessionLog
     from localrl.serving.chat import open_chat_model
 
     check_workdir(args.workdir, args.force_workdir)
     if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
         raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
     system = agent_system(args.system, args.source)
+    log = SessionLog(record_directory(args.record, args.source)) if args.record else None
     quiet_libraries()
     model = open_chat_model(args.source, args.n_ctx)
     try:
         run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
-                  timeout=args.timeout, system=system, force_workdir=args.force_workdir)
+                  timeout=args.timeout, system=system, force_workdir=args.force_workdir, log=log,
+                  rate=terminal_rating() if log is not None else None)
     finally:
         model.close()
     return 0

@@ -38,6 +38,8 @@ def before_after_line(before: dict, after: dict, env: bool) -> str:
     different sets, so it says so and claims no difference."""
     what = "success" if env else "accuracy"
     items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
+    if "logp_accuracy" in after:  # preference pairs
+        what, items, how = "preference accuracy", "pairs", "implicit reward"
     if before["n"] == after["n"]:
         delta = 100 * (after["accuracy"] - before["accuracy"])
         return (f"held-out {what} ({after['n']} {items}, {how}): "

@@ -119,10 +119,14 @@ def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: R
     rows = read_rows(data, columns, check_row)
     if held_out is not None:
         return Task(data, rows, held_out(), system)
-    # No held-out file: set aside a seeded tenth of the rows (at most eval_size), never trained on.
+    held, train = held_out_split(rows, eval_size)
+    return Task(data, train, held, system)
+
+
+def held_out_split(rows: list, eval_size: int) -> tuple[list, list]:
+    """(held out, train) of a source without a held-out file: a seeded tenth of ``rows`` (at most ``eval_size``) set
+    aside, never trained on, and the rest."""
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)
-    n_eval = min(eval_size, len(rows) // 10)
-    held = set(order[:n_eval])
-    train = [r for i, r in enumerate(rows) if i not in held]
-    return Task(data, train, [rows[i] for i in sorted(held)], system)
+    held = set(order[:min(eval_size, len(rows) // 10)])
+    return [rows[i] for i in sorted(held)], [r for i, r in enumerate(rows) if i not in held]

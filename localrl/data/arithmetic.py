@@ -92,6 +92,25 @@ def worked_answer(p: Problem, rng: random.Random | None = None, drop_carry: floa
     return "<think>" + "\n".join(lines) + "\n</think><answer>" + result + "</answer>"
 
 
+def slipped_answer(p: Problem) -> str:
+    """A near miss of ``p``'s worked answer: every carry forgotten, or, with no carry to forget, one digit of the
+    answer slipped (seeded by the problem)."""
+    forgot = worked_answer(p, random.Random(0), drop_carry=1.0)
+    if forgot != worked_answer(p):
+        return forgot
+    answer = p.answer
+    rng = random.Random(f"slip/{p.a}/{p.b}")
+    at = rng.randrange(len(answer))
+    digit = rng.choice([d for d in "0123456789" if d != answer[at] and (d != "0" or at or len(answer) == 1)])
+    return worked_answer(p).replace(f"<answer>{answer}<", f"<answer>{answer[:at]}{digit}{answer[at + 1:]}<")
+
+
+def parse_question(text: str) -> Problem | None:
+    """The problem a question asks (the first ``What is A + B?`` in ``text``), or None."""
+    asked = _QUESTION.search(text)
+    return Problem(int(asked.group(1)), int(asked.group(2))) if asked else None
+
+
 _QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
 _STRICT_ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>\s*" + TRAILING_CONFIDENCE + "$")
 

@@ -83,7 +83,7 @@ def read_rows(source: str, columns: Columns = Columns(), check_row: Callable[[di
               what: str = "data") -> list[dict]:
     """The checked rows of ``source`` (a file, a ``save_to_disk`` directory, or a cached hub id)."""
     rows = []
-    for where, raw in _raw_rows(source, columns, what):
+    for where, raw in raw_rows(source, columns, what):
         row = _row(raw, columns, where)
         if check_row is not None:
             check_row(row, where)
@@ -113,7 +113,8 @@ def _row(raw: dict, c: Columns, where: str) -> dict:
     return {**extra, "prompt": prompt, "answer": answer}
 
 
-def _raw_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
+def raw_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
+    """``(where, row)`` for each row of ``source`` as it is stored (``read_rows`` checks them as a task's)."""
     path = Path(source)
     suffix = path.suffix.lower()
     if path.is_file():

@@ -120,8 +120,8 @@ def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], nam
                 lengths: list[int], truncated: float, started: float, gen_s: float, lr: float, device) -> dict:
     """The metrics record of a single-turn step (0-based ``step``, begun at time ``started``): the rewards'
     mean and std over the completions sampled (``lengths`` tokens each), accuracy (the share the first,
-    correctness, reward scores 1), each reward's mean, the update's loss, KL, clip fraction and whatever
-    optional statistics it has, the correlation of reward with completion length (a reward-hacking sign;
+    correctness, reward scores 1), each reward's mean, the update's loss and whichever of KL, clip fraction and
+    the optional statistics it has, the correlation of reward with completion length (a reward-hacking sign;
     under torchrun, this rank's completions), and the step's speed and memory."""
     elapsed = time.time() - started
     return {
@@ -133,8 +133,6 @@ def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], nam
         "accuracy": sum(s == 1.0 for s in scores[0]) / len(scores[0]),
         "rewards": {name: sum(s) / len(s) for name, s in zip(names, scores)},
         "loss": stats["loss"],
-        "kl": stats["kl"],
-        "clip_frac": stats["clip_frac"],
         "reward_length_corr": length_correlation(rewards.tolist(), lengths),
         "completion_len": sum(lengths) / len(lengths),
         "truncated": truncated,
@@ -145,5 +143,5 @@ def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], nam
         "lr": lr,
         "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
-        **{k: stats[k] for k in ("entropy", "is_weight", "allreduce_s") if k in stats},
+        **{k: stats[k] for k in ("kl", "clip_frac", "entropy", "is_weight", "allreduce_s") if k in stats},
     }

@@ -73,10 +73,7 @@ class GRPO(Objective):
         if cfg.use_adaptive_entropy:
             record["entropy_coef"] = self.entropy.applied(cfg)
             self.entropy.observe(record.get("entropy"), cfg)
-        if cfg.sync_ref_model and (step + 1) % cfg.ref_model_sync_steps == 0:
-            self.reference.sync(ctx.model, cfg.ref_model_mixup_alpha)
-            if cfg.reset_optimizer_on_sync:
-                ctx.optimizer.state.clear()
+        if self.reference.on_schedule(ctx.model, ctx.optimizer, cfg, step):
             record["ref_synced"] = True
 
     def state(self) -> dict:

@@ -16,7 +16,6 @@ import time
 import torch
 
 from localrl.config import FIELDS, check_fields
-from localrl.errors import UserError
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.grpo import batch_plan
 from localrl.policy.losses import flat_group_share
@@ -51,9 +50,7 @@ class PPO(Objective):
         ])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field objective: ppo runs in one process for now; launch it without torchrun "
-                            f"(this launch has {w.size} ranks)", field="objective")
+        w.one_process("objective", "ppo")
 
     def setup(self, ctx: StepContext, state: dict) -> None:
         self.reference = Reference(state.get("reference"))

@@ -34,9 +34,7 @@ class SFT(Objective):
                             "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')")])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field objective: sft runs in one process; launch it without torchrun (this "
-                            f"launch has {w.size} ranks)", field="objective")
+        w.one_process("objective", "sft")
 
     def preflight(self, info, sampler, plan):
         """The environment must have an expert, and training tasks it solves."""

@@ -34,9 +34,7 @@ class TurnGRPO(GRPO):
         ])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field objective: turn_grpo runs in one process for now; launch it without "
-                            f"torchrun (this launch has {w.size} ranks)", field="objective")
+        w.one_process("objective", "turn_grpo")
 
     def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
         t0 = time.time()

@@ -21,8 +21,16 @@ The loss of a batch is the mean over its pairs. The implicit rewards TRL logs ar
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+
+from localrl.config import TrainConfig
+from localrl.generation.rollout import Rollout
+from localrl.policy.grpo import row_slices
+from localrl.policy.reference import Reference
+from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
@@ -59,3 +67,95 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
                  "reward_margin": (reward_chosen - reward_rejected).mean().item(),
                  "reward_accuracy": (reward_chosen > reward_rejected).double().mean().item()}
     return losses.mean(), stats
+
+
+def preference_pairs(rollout: Rollout, rewards: torch.Tensor) -> tuple[Rollout | None, int]:
+    """Each group's best and worst completion by reward (the first of equals), as a rollout of groups of two (row
+    2i chosen, 2i + 1 rejected): online DPO's pairs from GRPO's groups, and a preference file's pairs as they are.
+    Groups whose rewards all tie teach no preference and are left out; returns (the pairs, None where no group is
+    left, and the number of groups left out)."""
+    g = rollout.group_size
+    grouped = rewards.view(-1, g)
+    keep = grouped.amax(1) > grouped.amin(1)
+    tied = int((~keep).sum())
+    if not keep.any():
+        return None, tied
+    first = torch.arange(grouped.size(0)) * g
+    rows = torch.stack([first + grouped.argmax(1), first + grouped.argmin(1)], dim=1)[keep].flatten()
+    mask = rollout.completion_mask[rows]
+    width = max(int(mask.sum(-1).max()), 1)
+    return Rollout(rollout.prompt_ids[keep], rollout.prompt_mask[keep], rollout.completion_ids[rows, :width],
+                   mask[:, :width], rollout.truncated[rows], 2,
+                   None if rollout.loss_mask is None else rollout.loss_mask[rows, :width],
+                   None if rollout.branch is None else rollout.branch[rows]), tied
+
+
+def _pair_chunks(rows: int, micro_batch: int) -> list[slice]:
+    """Micro-batches of whole pairs: ``micro_batch`` rows rounded down to an even count, at least one pair."""
+    return row_slices(rows, max(2, (micro_batch or rows) // 2 * 2))
+
+
+def sequence_logps(model, pairs: Rollout, cfg: TrainConfig, micro_batch: int = 0, logits_chunk: int = 1024,
+                   context=None) -> torch.Tensor:
+    """[rows] each completion's summed log-probability of its trained tokens, without gradients, under ``context``
+    (``Reference().forward_context(model)``: the reference's)."""
+    device = next(model.parameters()).device
+    mask = pairs.trained_mask.to(device)
+    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
+    with torch.no_grad(), context or nullcontext(), forward(model, pairs, 1.0, logits_chunk) as fwd:
+        return torch.cat([(fwd.logprobs(c) * mask[c]).sum(-1)
+                          for c in _pair_chunks(pairs.completion_ids.size(0), micro_batch)])
+
+
+def dpo_update(model, optimizer, pairs: Rollout, cfg: TrainConfig, micro_batch: int = 0, logits_chunk: int = 1024,
+               reference: Reference | None = None) -> dict:
+    """One AdamW step on the DPO loss of ``pairs`` (``preference_pairs``' rollout): the reference's log-probabilities
+    first (the base with the adapter off, or a synced reference's weights), then the policy's, a micro-batch of whole
+    pairs at a time through the shared-prompt forward, each micro-batch's mean loss weighted by its share of the
+    pairs (so the gradient is the whole batch's mean, for any micro-batch). Returns the loss and ``dpo_loss``'s
+    statistics, of the whole batch."""
+    device = next(model.parameters()).device
+    reference = reference or Reference()
+    rows = pairs.completion_ids.size(0)
+    mask = pairs.trained_mask.to(device)
+    tokens = mask.sum(-1)
+    chunks = _pair_chunks(rows, micro_batch)
+    model.train()
+    ref = sequence_logps(model, pairs, cfg, micro_batch, logits_chunk, context=reference.forward_context(model))
+    settings = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+    optimizer.zero_grad(set_to_none=True)
+    policy = []
+    forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
+    with forward(model, pairs, 1.0, logits_chunk) as fwd:  # leaving it finishes the prompt backward
+        for c in chunks:
+            logp = (fwd.logprobs(c) * mask[c]).sum(-1)
+            loss, _ = dpo_loss(logp[0::2], logp[1::2], ref[c][0::2], ref[c][1::2], **settings,
+                               chosen_tokens=tokens[c][0::2], rejected_tokens=tokens[c][1::2])
+            (loss * (c.stop - c.start) / rows).backward()
+            policy.append(logp.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    optimizer.step()
+    policy = torch.cat(policy)
+    loss, stats = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], **settings,
+                           chosen_tokens=tokens[0::2], rejected_tokens=tokens[1::2])
+    return {"loss": loss.item(), **stats}
+
+
+def preference_accuracy(model, pairs: Rollout, cfg: TrainConfig, batch_size: int = 64) -> dict:
+    """Held-out pairs as the run's evaluations report them: ``accuracy``, the share of pairs whose implicit reward
+    (beta x the policy's log-ratio to the reference) ranks the chosen completion above the rejected (a tie counts
+    half: before training every pair ties, 50%); ``reward_mean``, the mean implicit-reward margin;
+    ``logp_accuracy``, the share whose chosen completion the policy itself gives the higher summed log-probability
+    (what it would prefer, the reference aside); ``n``, the pairs."""
+    was_training = model.training
+    model.eval()
+    policy = sequence_logps(model, pairs, cfg, batch_size)
+    ref = sequence_logps(model, pairs, cfg, batch_size, context=Reference().forward_context(model))
+    model.train(was_training)
+    margin = cfg.beta * ((policy[0::2] - ref[0::2]) - (policy[1::2] - ref[1::2]))
+    return {"accuracy": ((margin > 0).double() + 0.5 * (margin == 0).double()).mean().item(),
+            "reward_mean": margin.mean().item(),
+            "logp_accuracy": (policy[0::2] > policy[1::2]).double().mean().item(),
+            "n": margin.numel()}

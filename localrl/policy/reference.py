@@ -35,6 +35,16 @@ class Reference:
             self.state = {name: w if "lora_A" in name else torch.zeros_like(w) for name, w in policy.items()}
         self.state = {name: alpha * policy[name] + (1.0 - alpha) * self.state[name] for name in policy}
 
+    def on_schedule(self, model, optimizer, cfg, step: int) -> bool:
+        """After 0-based ``step``: with ``sync_ref_model``, sync every ``ref_model_sync_steps`` steps (and clear AdamW's
+        moments with ``reset_optimizer_on_sync``); whether it synced."""
+        if not cfg.sync_ref_model or (step + 1) % cfg.ref_model_sync_steps:
+            return False
+        self.sync(model, cfg.ref_model_mixup_alpha)
+        if cfg.reset_optimizer_on_sync:
+            optimizer.state.clear()
+        return True
+
     def forward_context(self, model):
         """A context in which ``model`` computes the reference's log-probabilities."""
         return model.disable_adapter() if self.state is None else _swapped(model, self.state)

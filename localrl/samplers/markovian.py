@@ -16,7 +16,6 @@ import torch
 
 from localrl.config import check_fields
 from localrl.data.rewards import combine, reward_names, reward_stats, score
-from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of
 from localrl.generation.markovian import sample_markovian, trace_rollout
 from localrl.generation.rollout import Rollout, completion_token_ids, decode_completions, encode_prompts
@@ -47,9 +46,7 @@ class Markovian(Completions):
         ])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field markovian_chunk: Markovian thinking runs in one process; launch it "
-                            f"without torchrun (this launch has {w.size} ranks)", field="markovian_chunk")
+        w.one_process("markovian_chunk", "Markovian thinking")
 
     def choose_backend(self, info: ModelInfo) -> tuple[str, str]:
         return "torch", "rollouts: torch (Markovian thinking)"

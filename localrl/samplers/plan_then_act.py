@@ -97,9 +97,7 @@ class PlanThenAct(Completions):
         ])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field sampler: plan_then_act runs in one process for now; launch it without "
-                            f"torchrun (this launch has {w.size} ranks)", field="sampler")
+        w.one_process("sampler", "plan_then_act")
 
     def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
         cfg = self.cfg

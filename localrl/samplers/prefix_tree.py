@@ -16,7 +16,6 @@ prompt completions are, so the figures compare with any other run's.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from localrl.config import FIELDS, check_fields
+from localrl.data.arithmetic import parse_question, worked_answer
 from localrl.data.jsonl import check_prompt, json_objects
 from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.errors import UserError
@@ -71,18 +71,13 @@ def make_tree(tok, prompt: list[int], trace: str, prefixes: int) -> Tree:
     return Tree(trunk, ends, depths, ["".join(steps[:d]) for d in depths])
 
 
-_QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
-
-
 def builtin_trace(row: dict) -> str:
     """The built-in solver's worked solution of an addition problem (its carries all kept)."""
-    from localrl.data.arithmetic import Problem, worked_answer
-
-    asked = _QUESTION.search(row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"])
-    if asked is None:
+    problem = parse_question(_key(row["prompt"]))
+    if problem is None:
         raise UserError(f"teacher_traces: the built-in solver solves the addition task's questions, not "
                         f"{row['prompt']!r}", field="teacher_traces")
-    return worked_answer(Problem(int(asked.group(1)), int(asked.group(2))))
+    return worked_answer(problem)
 
 
 def read_traces(path: str) -> dict[str, str]:
@@ -122,9 +117,7 @@ class PrefixTree(Completions):
         ])
 
     def check(self, w) -> None:
-        if w.distributed:
-            raise UserError(f"config field sampler: prefix_tree runs in one process for now; launch it without "
-                            f"torchrun (this launch has {w.size} ranks)", field="sampler")
+        w.one_process("sampler", "prefix_tree")
 
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg, rewards)
