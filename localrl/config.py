@@ -24,7 +24,7 @@ from typing import Any
 
 from localrl.errors import UserError
 
-BUILTIN_TASKS = ("arith", "words")
+BUILTIN_TASKS = ("arith", "words", "drafts")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.policy.losses
 SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
@@ -39,7 +39,8 @@ class TrainConfig:
     # what to train: the model, the data, the rewards
     model: str = _f("tiny-arith", "built-in model name, local Hugging Face model directory, FILE.gguf, "
                                   "ollama:NAME[:TAG], or hub id")
-    data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems), a JSONL, Parquet, CSV, JSON "
+    data: str = _f("arith", "built-in task ('arith': addition, 'words': word problems, 'drafts': fix an addition's "
+                            "flawed worked answer), a JSONL, Parquet, CSV, JSON "
                             "or Arrow file of {prompt, answer, ...} rows, a datasets save_to_disk directory, or a "
                             "hub id already in the local datasets cache (read offline)")
     eval_data: str = _f("", "held-out rows, from any source data reads; empty: the task's own held-out split (or "
@@ -53,7 +54,8 @@ class TrainConfig:
     answer_column: str = _f("answer", "the column holding each reference answer")
     answer_format: str = _f("", "how the answer column is read: empty (as it is), gsm8k (what follows ####), "
                                 "last-number, or regex:PATTERN (its first group)")
-    reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format, judge:URL|MODEL (an "
+    reward: str = _f("numeric", "rewards, comma-separated, each numeric, exact, regex, format, draft_edits, "
+                                "judge:URL|MODEL (an "
                                 "LLM judge behind an OpenAI-compatible endpoint) or package.module:function; the "
                                 "first is the correctness reward that accuracy counts")
     reward_weights: str = _f("", "comma-separated weight of each reward in `reward` (empty: 1 each)")
@@ -226,6 +228,13 @@ class TrainConfig:
     # set by its preset to TRL's 0.1 and sigmoid)
     label_smoothing: float = _f(0.0, "objective dpo, loss_type robust: the assumed share of preference labels that "
                                      "are flipped (0 to 0.5)")
+    # the contrastive_grpo objective (objectives/contrastive_grpo.py; after ConSPO, arXiv 2605.12969)
+    contrastive_coef: float = _f(1.0, "objective contrastive_grpo: weight of the group-wise InfoNCE term (each "
+                                      "group's above-mean completions against its below-mean ones) beside GRPO's loss")
+    contrastive_temperature: float = _f(0.1, "objective contrastive_grpo: temperature of the InfoNCE softmax over "
+                                             "the completions' mean token log-probabilities")
+    contrastive_margin: float = _f(0.0, "objective contrastive_grpo: the margin a positive's score must clear, "
+                                        "ramped linearly from 0 to this over the run")
     # the turn_grpo objective (objectives/turn_grpo.py)
     turn_discount: float = _f(1.0, "objective turn_grpo: discount of the turn rewards in each turn's return (1: the "
                                    "first turn's advantage is the episode's; 0: each turn credited with its own)")

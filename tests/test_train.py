@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,15 +277,28 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_signal(builtin
     assert train_records(tmp_path / "again") == records
 
 
+@pytest.fixture(scope="module")
+def four_grpo_steps(builtin_model, tmp_path_factory):
+    """The first 4 steps of the loss-type runs: every loss gives these alike (at ratio 1 their gradients differ only
+    in scale, which Adam's first steps do not see; measured, the 8 losses' rewards were equal to 3 decimals through
+    step 4 and parted from step 5), so each loss starts from this checkpoint."""
+    run = tmp_path_factory.mktemp("losses") / "grpo"
+    train(small(run, steps=4, prompts_per_step=8, group_size=8, save_every=100, num_iterations=2), **QUIET)
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
-def test_every_loss_type_trains_the_built_in_model(builtin_model, tmp_path, loss_type):
-    """A few seeded steps, off-policy on their second pass (num_iterations 2), with each loss: reward rises, no NaN."""
+def test_every_loss_type_trains_the_built_in_model(four_grpo_steps, tmp_path, loss_type):
+    """Seeded steps 5-8 with each loss, off-policy on their second pass (num_iterations 2): the reward of the last 3
+    steps rises over the first 3, no NaN (measured, steps 6-8 over 1-3: 0.67 -> 0.77-1.01)."""
     extra = {"cispo": {"epsilon_high": 5.0}}.get(loss_type, {})
-    cfg = small(tmp_path / "run", steps=10, prompts_per_step=8, group_size=8, save_every=100, loss_type=loss_type,
-                num_iterations=2, **extra)
-    train(cfg, **QUIET)
-    records = train_records(tmp_path / "run")
+    run = tmp_path / "run"
+    shutil.copytree(four_grpo_steps, run)
+    train(resume_config(run, {"run_dir": str(run), "steps": 8, "loss_type": loss_type, **extra}), resume=True,
+          **QUIET)
+    records = train_records(run)
+    assert [r["step"] for r in records] == list(range(1, 9))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward_mean"]) for r in records)
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
     assert mean(records[-3:]) > mean(records[:3]) + 0.05, [round(r["reward_mean"], 3) for r in records]

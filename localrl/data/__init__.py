@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from localrl.config import BUILTIN_TASKS
-from localrl.data import arithmetic, word_problems
+from localrl.data import arithmetic, drafts, word_problems
 from localrl.data.calibration import CONFIDENCE_PROMPT
 from localrl.data.sources import Columns, is_file_source, read_rows
 from localrl.errors import UserError
@@ -29,7 +29,7 @@ from localrl.models import builtin_path
 
 Row = dict
 RowCheck = Callable[[dict, str], None]
-GENERATORS = {"arith": arithmetic, "words": word_problems}  # name -> module with sample/held_out_problems
+GENERATORS = {"arith": arithmetic, "words": word_problems, "drafts": drafts}  # name -> module with sample/held_out_problems
 FORMAT_PROMPT = ("Think step by step inside <think> </think> tags, then give only the final answer inside "
                  "<answer> </answer> tags. For example: <think>3 + 4 = 7, and 7 x 2 = 14</think><answer>14</answer>")
 
@@ -66,7 +66,7 @@ class Task:
 
 
 def _row(problem) -> Row:
-    return {"prompt": problem.question, "answer": problem.answer}
+    return {"prompt": problem.question, "answer": problem.answer, **getattr(problem, "columns", {})}
 
 
 def check_reward(setting: str, data: str):
@@ -76,7 +76,7 @@ def check_reward(setting: str, data: str):
     if setting in ("", "none"):
         return None
     if setting == "auto":
-        return arithmetic.addition_check if data == "arith" else None
+        return arithmetic.addition_check if data in ("arith", "drafts") else None
     from localrl.data.rewards import resolve_reward
 
     return resolve_reward(setting)

@@ -66,22 +66,23 @@ def _completion(value, where: str, key: str) -> str:
     return text
 
 
+def _shared_length(a, b) -> int:
+    """How many first items (messages, characters) ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _implicit_prompt(chosen, rejected, where: str) -> tuple:
     """(prompt, chosen, rejected) of a row without a prompt: what the two share, then what differs."""
     if isinstance(chosen, list) and isinstance(rejected, list):
         for key, value in (("chosen", chosen), ("rejected", rejected)):
             check_prompt(value, where, key)
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
+        shared = _shared_length(chosen, rejected)
         if shared == 0:
             raise UserError(f"{where}: no 'prompt', and 'chosen' and 'rejected' share no first message to take as "
                             f"the prompt")
         return chosen[:shared], chosen[shared:], rejected[shared:]
     if isinstance(chosen, str) and isinstance(rejected, str):
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
+        shared = _shared_length(chosen, rejected)
         shared = chosen.rfind(" ", 0, shared + 1) + 1 if shared < len(chosen) and chosen[shared] != " " else shared
         if not chosen[:shared].strip():
             raise UserError(f"{where}: no 'prompt', and 'chosen' and 'rejected' share no beginning to take as the "

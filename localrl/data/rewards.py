@@ -23,6 +23,7 @@ import re
 from typing import Callable
 
 from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
+from localrl.data.drafts import draft_edits
 from localrl.data.judge import PREFIX as JUDGE_PREFIX
 from localrl.data.judge import judge_reward
 from localrl.errors import UserError, failure_line, user_callable
@@ -156,6 +157,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact": exact_match,
     "regex": regex_match,
     "format": format_reward,
+    "draft_edits": draft_edits,
 }
 
 

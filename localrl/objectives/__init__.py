@@ -143,5 +143,6 @@ def step_record(step: int, rewards: torch.Tensor, scores: list[list[float]], nam
         "lr": lr,
         "micro_batch": stats["micro_batch"],
         "peak_mem_mb": peak_memory_mb(device),
-        **{k: stats[k] for k in ("kl", "clip_frac", "entropy", "is_weight", "allreduce_s") if k in stats},
+        **{k: stats[k] for k in ("kl", "clip_frac", "entropy", "is_weight", "contrastive", "allreduce_s")
+           if k in stats},
     }

@@ -62,11 +62,15 @@ class GRPO(Objective):
         rewards = batch.rewards if batch.train_rewards is None else batch.train_rewards
         stats = update(ctx.model, ctx.optimizer, batch.rollout, rewards, self.cfg, step, ctx.budget, batch.sampler_logp,
                        self.reference, self.entropy.applied(self.cfg), reward_rows=batch.reward_rows,
-                       max_len=batch.max_len, advantages=batch.advantages)
+                       max_len=batch.max_len, advantages=batch.advantages, **self.update_terms(step))
         record = step_record(step, batch.rewards, batch.scores, batch.names, stats,  # of every completion sampled
                              batch.lengths, batch.truncated, t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"],
                              ctx.device)
         return {**record, **batch.extra}
+
+    def update_terms(self, step: int) -> dict:
+        """Terms a variant adds to the update at 0-based ``step`` (keyword arguments of ``update``); GRPO: none."""
+        return {}
 
     def after_step(self, ctx: StepContext, step: int, record: dict) -> None:
         cfg = self.cfg

@@ -19,6 +19,8 @@ from localrl.config import TrainConfig
 from localrl.distributed import world
 from localrl.errors import UserError
 from localrl.generation.rollout import Rollout
+from localrl.policy.contrastive import (Contrast, contrast_labels, contrasted_groups, score_coefficients,
+                                        sequence_scores)
 from localrl.policy.losses import (LossSettings, flat_group_share, group_advantages, grpo_loss, high_entropy_mask,
                                    high_entropy_threshold, importance_weights, loss_normalizer, masked_mean)
 from localrl.policy.reference import Reference
@@ -28,7 +30,8 @@ from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward, ena
 def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: TrainConfig, step: int, budget=None,
            sampler_logp: torch.Tensor | None = None, reference: Reference | None = None,
            entropy_coef: float | None = None, reward_rows: torch.Tensor | None = None,
-           max_len: int | None = None, advantages: torch.Tensor | None = None) -> dict:
+           max_len: int | None = None, advantages: torch.Tensor | None = None, contrast: Contrast | None = None
+           ) -> dict:
     """From a scored rollout ([B*G] float64 ``rewards``) to an updated adapter: group advantages (cut-off
     completions then leave the loss with ``mask_truncated_completions``), the memory
     plan re-made for this batch's real lengths (a batch that cannot fit is refused before it runs), then
@@ -37,7 +40,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     chunks), the reward each row takes its advantage from; ``max_len``: the longest a row can be (dr_grpo's
     constant; default ``max_new_tokens``); ``advantages``: [N] advantages of each row or [N, R] of each token,
     computed by the caller (a prefix tree's, turn-level credit's; one process), instead of one per completion from
-    its group."""
+    its group; ``contrast``: the contrastive term's settings this step (``localrl.policy.contrastive``), or none."""
     w = world()
     # of the global batch (each rank's groups, in rank order): scale_rewards = "batch" and the statistics
     everyone = w.gather(rewards.tolist())
@@ -56,7 +59,7 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     model.train()
     micro_batch, logits_chunk = batch_plan(model, rollout, cfg, step, budget)
     stats = policy_update(model, optimizer, rollout, advantages, cfg, micro_batch, logits_chunk, sampler_logp, reference,
-                      entropy_coef, max_len)
+                          entropy_coef, max_len, contrast)
     # groups whose completions all scored alike: nothing to learn
     return {**stats, "frac_reward_zero_std": flat_groups, "micro_batch": micro_batch or rollout.completion_ids.size(0)}
 
@@ -87,13 +90,14 @@ def row_slices(n: int, size: int) -> list[slice]:
 
 def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig,
               micro_batch: int = 0, logits_chunk: int = 1024, sampler_logp: torch.Tensor | None = None,
-              reference: Reference | None = None, entropy_coef: float | None = None, max_len: int | None = None
-              ) -> dict:
+              reference: Reference | None = None, entropy_coef: float | None = None, max_len: int | None = None,
+              contrast: Contrast | None = None) -> dict:
     """The policy update of one step on a finished rollout, ``micro_batch`` completions at a time (0: all).
     ``sampler_logp`` ([N, R]): the log-probabilities of another sampler (llama.cpp), for importance weights;
     ``reference``: the KL reference (default: the base); ``entropy_coef``: the bonus's coefficient this step
     (default ``cfg.entropy_coef``; ``EntropyControl`` decides it under adaptive control); ``max_len``: the
-    longest a row can be, dr_grpo's constant (default ``cfg.max_new_tokens``)."""
+    longest a row can be, dr_grpo's constant (default ``cfg.max_new_tokens``); ``contrast``: the contrastive
+    term's settings, whose exact gradient is added through each row's sequence score (``score_coefficients``)."""
     device = next(model.parameters()).device
     w = world()  # under torchrun: this rank's rows, and collectives that make the step the global batch's
     n, = w.sum(loss_normalizer(cfg.loss_type, rollout.trained_mask, max_len or cfg.max_new_tokens))  # whole batch
@@ -129,7 +133,7 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(dim=-1)
         keep = per_row.view(-1, rollout.group_size).ne(0).any(dim=1)
         if not w.any(bool(keep.any())):
-            return {"loss": 0.0, "kl": None, "clip_frac": 0.0}
+            return {"loss": 0.0, "kl": None, "clip_frac": 0.0, **({} if contrast is None else {"contrastive": 0.0})}
         if not keep.any():  # (distributed: other ranks have groups to learn from; this one adds zeros)
             rollout, advantages = rollout.groups(keep), advantages[:0]
         elif not keep.all():
@@ -153,6 +157,21 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     ref = frozen_logprobs((reference or Reference()).forward_context(model)) if cfg.beta > 0 else None
     old = frozen_logprobs(nullcontext()) if cfg.num_iterations > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+    if contrast is not None:
+        labels = contrast_labels(adv, mask)
+        groups, = w.sum(int(contrasted_groups(labels, rollout.group_size).sum()))
+        totals["contrastive"] = 0.0
+
+    def score_weights(iteration: int) -> torch.Tensor | None:
+        """Each row's multiplier of its sequence score in this iteration's loss (the contrastive term's
+        gradient at the current weights: the rollout's own log-probabilities in the first iteration)."""
+        if contrast is None or not chunks:
+            return None
+        current = old if iteration == 0 and old is not None else frozen_logprobs(nullcontext())
+        scores = torch.cat([sequence_scores(lp, mask[c]) for lp, c in zip(current, chunks)])
+        weights, value = score_coefficients(scores, labels, rollout.group_size, contrast, groups)
+        totals["contrastive"] += value / cfg.num_iterations
+        return weights
     correct = sampler_logp is not None and cfg.rollout_is != "none"
     if correct:
         sampler_logp = sampler_logp.to(device)
@@ -161,8 +180,9 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         totals["entropy"] = 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     allreduce_s = 0.0
-    for _ in range(cfg.num_iterations):
+    for iteration in range(cfg.num_iterations):
         threshold, entropy_tokens = entropy_threshold() if with_entropy else (None, 1)
+        weights = score_weights(iteration)
         optimizer.zero_grad(set_to_none=True)
         # leaving the forward's context finishes the prompt backward
         with forward(model, rollout, cfg.temperature, logits_chunk) if chunks else nullcontext() as fwd:
@@ -181,6 +201,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                     entropy_sum = (entropy * acted).sum()
                     total = total - coef * entropy_sum / entropy_tokens
                     totals["entropy"] += entropy_sum.item() / entropy_tokens / cfg.num_iterations
+                if weights is not None:  # the contrastive term's gradient, through the chain rule
+                    total = total + (weights[c] * sequence_scores(logp, mask[c])).sum()
                 total.backward()
                 weight = (c.stop - c.start) / trained / cfg.num_iterations  # statistics: of the rows computed
                 if correct:  # the mean weight, over rows (sequence modes) or tokens

@@ -1,6 +1,7 @@
-"""Preference pairs as a sampler: nothing is sampled; each step reads ``prompts_per_step`` pairs (``data``: a source of
-``{prompt, chosen, rejected}`` rows in TRL's formats, ``localrl.data.preferences``, or the built-in addition task's
-own pairs, or recorded agent sessions' pairs) and hands them over as groups of two, chosen first (reward 1, rejected 0), for the ``dpo`` objective.
+"""Preference pairs as a sampler: nothing is sampled; each step reads ``prompts_per_step`` pairs (``data``: a source
+of ``{prompt, chosen, rejected}`` rows in TRL's formats, ``localrl.data.preferences``, or the built-in addition
+task's own pairs, or recorded agent sessions' pairs) and hands them over as groups of two, chosen first (reward 1,
+rejected 0), for the ``dpo`` objective.
 
 Each completion is the tokens of its text and the end of an assistant turn (as the model would have ended it);
 the prompt goes through the chat template, as a sampled prompt would (with the built-in task's system message; a
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from localrl.agent.session_log import FILE as SESSIONS
 from localrl.config import check_fields
 from localrl.data import GENERATORS, Task, held_out_split, system_prompt
-from localrl.agent.session_log import FILE as SESSIONS
 from localrl.data.preferences import builtin_pair, is_session, preference_row, session_pairs
 from localrl.data.sources import Columns, is_file_source, raw_rows
 from localrl.errors import UserError

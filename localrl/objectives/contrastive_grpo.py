@@ -1,0 +1,36 @@
+"""Contrastive GRPO: GRPO's step, with a term that contrasts each group's right and wrong completions added to its
+loss. The term (``localrl.policy.contrastive``) is a group-wise InfoNCE over the completions' mean token
+log-probabilities, after ConSPO (arXiv 2605.12969); localrl's version is the closest well-defined one, named as
+such there. Everything else (sampling, advantages, clipping, KL, resume) is GRPO's, over any sampler.
+"""
+
+from __future__ import annotations
+
+from localrl.config import FIELDS, check_fields
+from localrl.objectives import objectives
+from localrl.objectives.grpo import GRPO
+from localrl.policy.contrastive import Contrast
+
+
+@objectives.register("contrastive_grpo")
+class ContrastiveGRPO(GRPO):
+    @staticmethod
+    def check_settings(cfg) -> None:
+        selected = cfg.objective == "contrastive_grpo"
+        changed = [name for name in ("contrastive_coef", "contrastive_temperature", "contrastive_margin")
+                   if getattr(cfg, name) != FIELDS[name].default]
+        check_fields(cfg, [
+            ("contrastive_coef", cfg.contrastive_coef >= 0, "must be at least 0"),
+            ("contrastive_temperature", cfg.contrastive_temperature > 0, "must be positive"),
+            ("contrastive_margin", cfg.contrastive_margin >= 0, "must be at least 0"),
+            *[(name, selected, "applies to objective contrastive_grpo only") for name in changed],
+            ("markovian_chunk", not selected or cfg.markovian_chunk == 0,
+             "objective contrastive_grpo contrasts whole completions; a Markovian trace's rows are its chunks"),
+        ])
+
+    def update_terms(self, step: int) -> dict:
+        return {"contrast": Contrast.at(self.cfg, step)}
+
+    def summary(self, record: dict) -> str:
+        line = super().summary(record)
+        return line if record.get("contrastive") is None else f"{line}  contrast {record['contrastive']:.3f}"

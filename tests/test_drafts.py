@@ -1,0 +1,68 @@
+"""The draft-refinement task (data = drafts): each level's mistake, the held-out split, and the draft_edits
+reward against values worked by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from localrl.data import load_task
+from localrl.data.arithmetic import Problem, is_held_out, parse_question
+from localrl.data.drafts import DraftProblem, draft_edits, draft_lines, held_out_problems, render, sample_problems, \
+    working
+
+
+def test_each_level_carries_its_one_mistake_and_the_rest_follows():
+    for d in sample_problems(random.Random(0), 300):
+        truth_lines, truth = working(d.problem)
+        lines = draft_lines(d.draft)
+        given = d.draft.split("<answer>")[1].split("</answer>")[0]
+        assert given != truth and d.question.startswith(d.problem.question + "\n")
+        if d.level == 1:  # the working is right, one digit of the answer is not
+            assert lines == truth_lines and len(given) == len(truth)
+            assert sum(a != b for a, b in zip(given, truth)) == 1
+        else:  # the lines before the mistake are right, its line is wrong, and the answer follows from the lines
+            first = next(i for i, (a, b) in enumerate(zip(lines, truth_lines)) if a != b)
+            column_sums = [int(line.rsplit("=", 1)[1]) for line in lines]
+            carry_in = [line.count("+") == 2 for line in lines]
+            if d.level == 2:
+                assert abs(column_sums[first] - int(truth_lines[first].rsplit("=", 1)[1])) == 1
+            else:  # the carry into the first wrong column is dropped
+                assert lines[first].count("+") == 1 and truth_lines[first].count("+") == 2
+            digits = "".join(str(s % 10) for s in reversed(column_sums))
+            assert given == ((("1" if column_sums[-1] >= 10 else "") + digits).lstrip("0") or "0")
+            assert all(c == (prev >= 10) for c, prev in zip(carry_in[first + 1:], column_sums[first:]))
+    assert {d.level for d in sample_problems(random.Random(1), 60)} == {1, 2, 3}
+
+
+def test_the_held_out_drafts_are_fixed_and_never_trained_on():
+    held = held_out_problems(30)
+    assert held == held_out_problems(30) and len(set(held)) == 30
+    assert [d.level for d in held[:6]] == [1, 2, 3, 1, 2, 3]
+    assert all(is_held_out(d.problem) for d in held)
+    assert not any(is_held_out(d.problem) for d in sample_problems(random.Random(2), 200))
+    task = load_task("drafts", eval_size=9)
+    row = task.held_out[0]
+    assert set(row) == {"prompt", "answer", "draft", "level"} and row["answer"] == held[0].answer
+    assert task.sample(3, 4, seed=1) == task.sample(3, 4, seed=1)
+
+
+def test_draft_edits_takes_off_the_share_of_right_lines_changed():
+    d = DraftProblem(Problem(457, 68), 2)
+    prompt = d.question
+    truth_lines, truth = working(d.problem)
+    assert parse_question(prompt) == d.problem
+    given = draft_lines(d.draft)
+    right = [i for i, (a, b) in enumerate(zip(given, truth_lines)) if a == b]
+    assert len(right) == 2  # one of the three columns is off by one, its two others right (457 + 68: 15, 12, 5)
+    fixed = render(truth_lines, truth)
+    one_right_line_changed = render([("9+9=18" if i == right[0] else line) for i, line in enumerate(truth_lines)],
+                                    truth)
+    short = "<think>7+8=15\n</think><answer>525</answer>"
+    scores = draft_edits([fixed, d.draft, one_right_line_changed, short, "525"], [prompt] * 5, [d.draft] * 5)
+    kept_in_short = int(right[0] == 0)
+    assert scores == pytest.approx([0.0, 0.0, -0.5, -(2 - kept_in_short) / 2, -1.0])
+    # a chat-message prompt, and a question it cannot read (no penalty)
+    assert draft_edits([fixed], [[{"role": "user", "content": prompt}]], [d.draft]) == [0.0]
+    assert draft_edits([fixed], ["no question here"], [d.draft]) == [0.0]
