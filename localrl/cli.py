@@ -10,7 +10,7 @@ checks and output live there). Nothing here a user could not call from Python.
     localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl analyze RUN_DIR [RUN_DIR ...] [--metric reward_mean] [--compute tokens|steps|seconds] [--out F.png]
-    localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed
+    localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed | memory | approvals
     torchrun --nproc-per-node N -m localrl train ...   (data-parallel: localrl/distributed.py)
 """
 
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step", "distributed",
-                                    "memory"])
+                                    "memory", "approvals"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=None, help="rollout: prompts (each gets --group completions; "
                    "default 2); agent-step: tasks (each gets --group episodes; default 2); distributed: prompts "
                    "per process a step (default 8)")
+    p.add_argument("--rule", choices=["timeout", "long-options"], help="approvals: the scripted person's hidden rule "
+                   "(default timeout: every command under `timeout 10`; long-options: `wc --lines`, never `wc -l`)")
+    p.add_argument("--sessions", type=int, help="approvals: sessions recorded with the scripted person (default 200)")
+    p.add_argument("--held-out", type=int, help="approvals: held-out tasks measured before and after (default 100)")
+    p.add_argument("--steps", type=int, help="approvals: RPO steps on the recorded sessions (default 15)")
+    p.add_argument("--out", default=None, help="approvals: where the sessions and the trained run are kept (default: "
+                   "a new temporary directory)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="built-in tiny models; random-weight models in published shapes")

@@ -149,7 +149,8 @@ class TrainConfig:
                                 "completions), bnpo / dapo (over all tokens of the step), dr_grpo (token sum / "
                                 "(completions x max_new_tokens): no length bias), cispo (clipped detached ratio x "
                                 "log-prob), sapo (soft gate), luspo (each completion's sum), vespo (gamma weight); "
-                                "objective dpo: sigmoid (DPO), ipo, hinge, robust")
+                                "objective dpo: sigmoid (DPO), ipo, hinge, robust, sft (the chosen completions' "
+                                "NLL), or several comma-separated, summed by loss_weights (sigmoid,sft: RPO)")
     importance_sampling_level: str = _f("token", "policy ratio per 'token', or per 'sequence' (GSPO: the exponent of "
                                                  "the completion's mean log-ratio)")
     epsilon: float = _f(0.2, "clipping range of the policy ratio (its lower side, when epsilon_high is set)")
@@ -228,6 +229,8 @@ class TrainConfig:
     # set by its preset to TRL's 0.1 and sigmoid)
     label_smoothing: float = _f(0.0, "objective dpo, loss_type robust: the assumed share of preference labels that "
                                      "are flipped (0 to 0.5)")
+    loss_weights: str = _f("", "objective dpo: comma-separated weight of each loss in loss_type (empty: 1 each), "
+                               "e.g. loss_type sigmoid,sft with loss_weights 1,0.5")
     # the contrastive_grpo objective (objectives/contrastive_grpo.py; after ConSPO, arXiv 2605.12969)
     contrastive_coef: float = _f(1.0, "objective contrastive_grpo: weight of the group-wise InfoNCE term (each "
                                       "group's above-mean completions against its below-mean ones) beside GRPO's loss")
@@ -355,10 +358,15 @@ class TrainConfig:
                 raise UserError(f"config field {name}: {value} is more than any run needs (at most {MAX_INT:,})",
                                 field=name)
         check_fields(self, checks)
-        # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's)
-        loss_types = getattr(dict(objectives.items()).get(self.objective), "loss_types", LOSS_TYPES)
-        check_fields(self, [("loss_type", self.loss_type in loss_types,
-                             f"must be one of {', '.join(loss_types)} for objective {self.objective}")])
+        # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's, which may
+        # name several, comma-separated, as TRL's DPOConfig takes a list)
+        objective = dict(objectives.items()).get(self.objective)
+        loss_types = getattr(objective, "loss_types", LOSS_TYPES)
+        several = getattr(objective, "combines_losses", False)
+        named = self.loss_type.split(",") if several else [self.loss_type]
+        check_fields(self, [("loss_type", all(n.strip() in loss_types for n in named),
+                             f"must be one of {', '.join(loss_types)} for objective {self.objective}" + (
+                                 " (or several, comma-separated)" if several else ""))])
         if self.memory_budget:
             from localrl.memory import parse_bytes
 

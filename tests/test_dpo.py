@@ -30,9 +30,10 @@ D = torch.float64
 CHOSEN_TOKENS, REJECTED_TOKENS = [2, 4, 7], [5, 3, 1]
 
 
-def trl_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, loss_type, beta, label_smoothing):
+def trl_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, loss_type, beta, label_smoothing, loss_weights=""):
     """TRL's DPOTrainer._compute_loss on these summed log-probabilities (reference log-probs given, as TRL's
-    ``precompute_ref_log_probs`` gives them), each completion ``CHOSEN_TOKENS``/``REJECTED_TOKENS`` long."""
+    ``precompute_ref_log_probs`` gives them), each completion ``CHOSEN_TOKENS``/``REJECTED_TOKENS`` long; ``loss_type``
+    comma-separated becomes TRL's list of loss types, ``loss_weights`` its weights."""
     from trl import DPOTrainer
 
     b = chosen.size(0)
@@ -49,7 +50,8 @@ def trl_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, loss_type, beta, la
     trainer = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None,
         precompute_ref_logps=True, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing, use_weighting=False,
+        loss_types=loss_type.split(","), loss_weights=[float(w) for w in loss_weights.split(",")] if loss_weights else
+        [1.0] * len(loss_type.split(",")), beta=beta, label_smoothing=label_smoothing, use_weighting=False,
         args=types.SimpleNamespace(discopop_tau=0.05, gradient_checkpointing_kwargs=None),
         _metrics={"train": collections.defaultdict(list), "eval": collections.defaultdict(list)},
         _total_train_tokens=0, _tp_size=1)
@@ -59,28 +61,32 @@ def trl_dpo_loss(chosen, rejected, ref_chosen, ref_rejected, loss_type, beta, la
     return DPOTrainer._compute_loss(trainer, lambda **_: out, inputs, return_outputs=False)
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type, loss_weights", [(t, "") for t in DPO_LOSS_TYPES] + [
+    ("sigmoid,sft", ""), ("sigmoid,sft", "1,0.5"), ("robust,sft,hinge", "0.3,2,1")])
 @pytest.mark.parametrize("beta", [0.1, 0.5])
-def test_the_loss_and_its_gradient_equal_trls(loss_type, beta):
+def test_the_loss_and_its_gradient_equal_trls(loss_type, loss_weights, beta):
+    """Each loss type and combinations of them (``sigmoid,sft`` is RPO), weighted as TRL weighs its list."""
     g = torch.Generator().manual_seed(0)
     chosen, rejected = (-20 * torch.rand(3, generator=g, dtype=D) for _ in range(2))
     ref_chosen, ref_rejected = chosen + torch.randn(3, generator=g, dtype=D), rejected + torch.randn(3, generator=g,
                                                                                                      dtype=D)
-    smoothing = 0.2 if loss_type == "robust" else 0.0
+    smoothing = 0.2 if "robust" in loss_type else 0.0
     results = []
     for compute in ("localrl", "trl"):
         c, r = chosen.clone().requires_grad_(), rejected.clone().requires_grad_()
         if compute == "localrl":
             loss, _ = dpo_loss(c, r, ref_chosen, ref_rejected, beta, loss_type, smoothing,
-                               torch.tensor(CHOSEN_TOKENS), torch.tensor(REJECTED_TOKENS))
+                               torch.tensor(CHOSEN_TOKENS), torch.tensor(REJECTED_TOKENS), loss_weights)
         else:
-            loss = trl_dpo_loss(c, r, ref_chosen, ref_rejected, loss_type, beta, smoothing)
+            loss = trl_dpo_loss(c, r, ref_chosen, ref_rejected, loss_type, beta, smoothing, loss_weights)
         loss.backward()
-        results.append((loss.detach(), c.grad, r.grad))
+        results.append((loss.detach(), *(torch.zeros_like(x) if x.grad is None else x.grad for x in (c, r))))
     (ours, dc, dr), (theirs, tc, tr) = results
     assert ours.dtype == theirs.dtype == D and torch.allclose(ours, theirs, rtol=1e-12, atol=0)
     assert torch.allclose(dc, tc, rtol=1e-12, atol=1e-15) and torch.allclose(dr, tr, rtol=1e-12, atol=1e-15)
     assert dc.abs().sum() > 0  # (a gradient that reaches the policy)
+    if loss_type == "sft":
+        assert dr.abs().sum() == 0  # the chosen completions' likelihood alone
 
 
 def test_statistics_and_bad_settings():
@@ -108,7 +114,7 @@ def test_pairs_are_each_groups_best_over_its_worst_and_ties_teach_nothing():
     assert preference_pairs(rollout, torch.ones(9, dtype=D)) == (None, 3)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid,sft"])
 def test_the_update_is_the_plain_full_batch_loss_for_any_micro_batch_and_either_forward(builtin_model, loss_type):
     """dpo_update's gradient (the reference by switching the adapter off, the prompt computed once, micro-batches
     of whole pairs) against autograd of the loss written plainly: every row concatenated, one batch."""
@@ -172,8 +178,16 @@ def test_bad_rows_are_one_line_naming_the_place(row, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"objective": "dpo", "loss_type": "dapo"}, "config field loss_type: must be one of sigmoid, ipo, hinge, robust "
-                                                "for objective dpo"),
+    ({"objective": "dpo", "loss_type": "dapo"}, "config field loss_type: must be one of sigmoid, ipo, hinge, robust, "
+                                                "sft for objective dpo"),
+    ({"objective": "dpo", "loss_type": "sigmoid,dapo"}, "loss_type: must be one of .* \\(or several, comma-sep"),
+    ({"loss_type": "grpo,dapo"}, "config field loss_type: must be one of grpo, .* for objective grpo \\(got"),
+    ({"objective": "dpo", "loss_type": "sigmoid,sigmoid"}, "config field loss_type: names a loss twice"),
+    ({"objective": "dpo", "loss_type": "sigmoid,sft", "loss_weights": "1"}, "config field loss_weights: must give "
+                                                                            "one weight for each loss in loss_type"),
+    ({"objective": "dpo", "loss_weights": "1,x"}, "config field loss_weights: must be comma-separated numbers"),
+    ({"objective": "dpo", "loss_weights": "-1"}, "config field loss_weights: must be comma-separated numbers >= 0"),
+    ({"loss_weights": "1"}, "config field loss_weights: applies to objective dpo only"),
     ({"loss_type": "ipo"}, "config field loss_type: must be one of grpo, .* for objective grpo"),
     ({"objective": "dpo", "beta": 0}, "config field beta: objective dpo: must be positive"),
     ({"objective": "dpo", "label_smoothing": 0.1}, "config field label_smoothing: applies to objective dpo with "

@@ -1,10 +1,12 @@
 """``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
-function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``)."""
+function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``,
+``localrl.benchmarks.approvals`` for ``bench approvals``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from localrl.errors import UserError
 
@@ -15,6 +17,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                  bench_prompt_cache, export_quants)
     from localrl.modeling import pick_device
 
+    if args.what != "approvals" and any(v is not None for v in (args.rule, args.sessions, args.held_out, args.steps,
+                                                                   args.out)):
+        raise UserError(f"bench {args.what}: --rule, --sessions, --held-out, --steps and --out are for bench approvals")
     shape = MODEL_SHAPES[args.model_size]
     model = "4-bit Qwen2-style model" + (" (tiny, smoke test)" if args.model_size == "tiny" else "")
     if args.what == "export":
@@ -37,6 +42,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"bench {args.what}: --quant is for bench export")
     if args.what == "memory":
         return _bench_memory(args)
+    if args.what == "approvals":
+        return _bench_approvals(args)
     prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
     if args.what == "agent-step":
         from localrl.benchmarks.side_by_side import bench_agent_step
@@ -129,3 +136,28 @@ def _bench_memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     return 0 if all(r["under_budget"] for r in rows) else 1
+
+
+def _bench_approvals(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from localrl.benchmarks.approvals import bench_approvals
+
+    if any(v is not None for v in (args.prompts, args.prompt_len, args.completion_len, args.group, args.budget)) or \
+            args.model_size != "full":
+        raise UserError("bench approvals: takes --model, --rule, --sessions, --held-out, --steps and --out")
+    sessions, held_out, steps = (d if v is None else v for v, d in ((args.sessions, 200), (args.held_out, 100),
+                                                                     (args.steps, 15)))
+    if sessions < 1 or held_out < 1 or steps < 1:
+        raise UserError("bench approvals: need --sessions, --held-out and --steps >= 1")
+    out = args.out or tempfile.mkdtemp(prefix="localrl-approvals-")
+    if args.out and Path(out).exists() and any(Path(out).iterdir()):
+        raise UserError(f"bench approvals --out {out}: not empty (its sessions would mix with new ones)")
+    model, rule = args.model or "tiny-shell", args.rule or "timeout"
+    print(f"approvals benchmark: {model} works with a scripted person (rule: {rule}; a command it breaks is edited to "
+          f"the allowed form) on {sessions} training tasks, recorded; RPO (DPO + the chosen's NLL) for {steps} steps on "
+          f"the sessions; before and after on {held_out} held-out tasks; kept in {out}")
+    result = bench_approvals(model, out, rule, sessions=sessions, held_out=held_out, steps=steps)
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -15,6 +15,7 @@ Its state through a run (checkpointed): the reference (moved only by ``sync_ref_
 
 from __future__ import annotations
 
+import math
 import time
 
 from localrl.config import check_fields
@@ -29,15 +30,24 @@ from localrl.policy.reference import Reference
 class DPO(Objective):
     rows_per_prompt = 2  # a pair a prompt
     loss_types = DPO_LOSS_TYPES
+    combines_losses = True  # loss_type may name several, weighted by loss_weights (TRL's list)
     preset = {"beta": 0.1, "loss_type": "sigmoid"}  # TRL's DPOConfig defaults
 
     @staticmethod
     def check_settings(cfg) -> None:
         dpo = cfg.objective == "dpo"
+        named = [n.strip() for n in cfg.loss_type.split(",")]
+        weights = _numbers(cfg.loss_weights)
         check_fields(cfg, [
             ("label_smoothing", 0 <= cfg.label_smoothing < 0.5, "must be in [0, 0.5)"),
-            ("label_smoothing", cfg.label_smoothing == 0 or (dpo and cfg.loss_type == "robust"),
+            ("label_smoothing", cfg.label_smoothing == 0 or (dpo and "robust" in named),
              "applies to objective dpo with loss_type robust only"),
+            ("loss_weights", not cfg.loss_weights or dpo, "applies to objective dpo only"),
+            ("loss_weights", weights is not None and all(w >= 0 and math.isfinite(w) for w in weights),
+             "must be comma-separated numbers >= 0"),
+            ("loss_weights", not weights or len(weights) == len(named),
+             f"must give one weight for each loss in loss_type ({len(named)}: {cfg.loss_type})"),
+            ("loss_type", len(set(named)) == len(named), "names a loss twice"),
             ("beta", not dpo or cfg.beta > 0, "objective dpo: must be positive (DPO's beta scales the log-ratios)"),
             ("markovian_chunk", not dpo or cfg.markovian_chunk == 0,
              "objective dpo pairs whole completions; a Markovian trace's rows are its chunks"),
@@ -90,3 +100,11 @@ class DPO(Objective):
         sampled = f"  reward {record['reward_mean']:.3f}  acc {record['accuracy']:.1%}" if "reward_mean" in record \
             else ""
         return f"loss {record['loss']:.4f}  {dpo}{sampled}"
+
+
+def _numbers(text: str) -> list[float] | None:
+    """Comma-separated numbers ([] for none), or None if one is not a number."""
+    try:
+        return [float(w) for w in text.split(",")] if text.strip() else []
+    except ValueError:
+        return None

@@ -14,9 +14,13 @@ and the loss of the pair, by ``loss_type``:
 - ``ipo`` (Azar et al. 2023): (h' - 1 / (2 beta))^2, where h' is h with each log-ratio divided by its completion's
   token count (TRL's length-normalised form, as its authors confirmed to TRL);
 - ``robust`` (Chowdhury et al. 2024, noisy labels): (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) /
-  (1 - 2e), e = ``label_smoothing``, the assumed share of flipped labels.
+  (1 - 2e), e = ``label_smoothing``, the assumed share of flipped labels;
+- ``sft``: the chosen completions' negative log-likelihood, the mean over all their tokens in the batch.
 
-The loss of a batch is the mean over its pairs. The implicit rewards TRL logs are beta x each log-ratio.
+The loss of a batch is the mean over its pairs. As in TRL, ``loss_type`` may name several, comma-separated, and
+the loss is their sum weighted by ``loss_weights`` (1 each by default): ``sigmoid,sft`` is RPO (Pang et al. 2024),
+DPO that also raises the chosen completion's own likelihood, so the policy's choice moves, not only its margin.
+The implicit rewards TRL logs are beta x each log-ratio.
 """
 
 from __future__ import annotations
@@ -32,18 +36,51 @@ from localrl.policy.grpo import row_slices
 from localrl.policy.reference import Reference
 from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sft")
+
+
+def loss_terms(loss_type: str, loss_weights: str = "") -> list[tuple[str, float]]:
+    """(loss, weight) of each loss ``loss_type`` names (comma-separated), weighted by ``loss_weights`` (comma-separated
+    numbers, one a loss; empty: 1 each). The config checks both before a run (``DPO.check_settings``)."""
+    names = [n.strip() for n in loss_type.split(",")]
+    weights = [float(w) for w in loss_weights.split(",")] if loss_weights.strip() else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"loss_weights {loss_weights!r}: one weight for each of {', '.join(names)}")
+    return list(zip(names, weights))
 
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
              label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
-             rejected_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The mean loss of B pairs ([B] summed log-probabilities each) and its statistics: the implicit rewards of the
+             rejected_tokens: torch.Tensor | None = None, loss_weights: str = "",
+             sft_tokens: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of B pairs ([B] summed log-probabilities each) and its statistics: the implicit rewards of the
     chosen and rejected completions, their margin, and the share of pairs whose chosen reward is the higher.
-    ``chosen_tokens``/``rejected_tokens`` ([B] token counts) are needed by ``ipo`` only."""
-    chosen = chosen_logps - ref_chosen_logps
-    rejected = rejected_logps - ref_rejected_logps
+    ``chosen_tokens``/``rejected_tokens`` ([B] token counts) are needed by ``ipo`` and ``sft``; ``sft_tokens``: the
+    chosen tokens ``sft`` averages over (default: these pairs'; a micro-batch passes its share of the batch's)."""
+    total = 0.0
+    for name, weight in loss_terms(loss_type, loss_weights):
+        if name == "sft":
+            if chosen_tokens is None and sft_tokens is None:
+                raise ValueError("sft averages over the chosen completions' tokens: give their counts")
+            count = chosen_tokens.sum() if sft_tokens is None else sft_tokens
+            loss = -chosen_logps.sum() / max(float(count), 1.0)
+        else:
+            loss = _pair_losses(chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps, beta, name,
+                                label_smoothing, chosen_tokens, rejected_tokens).mean()
+        total = total + weight * loss
+    with torch.no_grad():
+        reward_chosen = beta * (chosen_logps - ref_chosen_logps)
+        reward_rejected = beta * (rejected_logps - ref_rejected_logps)
+        stats = {"reward_chosen": reward_chosen.mean().item(), "reward_rejected": reward_rejected.mean().item(),
+                 "reward_margin": (reward_chosen - reward_rejected).mean().item(),
+                 "reward_accuracy": (reward_chosen > reward_rejected).double().mean().item()}
+    return total, stats
+
+
+def _pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, loss_type: str, label_smoothing: float,
+                 chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None) -> torch.Tensor:
+    """[B] the loss of each pair from its chosen and rejected log-ratios."""
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * (chosen - rejected))
     elif loss_type == "hinge":
@@ -61,12 +98,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
             (1 - 2 * label_smoothing)
     else:
         raise ValueError(f"unknown DPO loss_type {loss_type!r}; use one of {', '.join(DPO_LOSS_TYPES)}")
-    with torch.no_grad():
-        reward_chosen, reward_rejected = beta * chosen, beta * rejected
-        stats = {"reward_chosen": reward_chosen.mean().item(), "reward_rejected": reward_rejected.mean().item(),
-                 "reward_margin": (reward_chosen - reward_rejected).mean().item(),
-                 "reward_accuracy": (reward_chosen > reward_rejected).double().mean().item()}
-    return losses.mean(), stats
+    return losses
 
 
 def preference_pairs(rollout: Rollout, rewards: torch.Tensor) -> tuple[Rollout | None, int]:
@@ -112,7 +144,7 @@ def dpo_update(model, optimizer, pairs: Rollout, cfg: TrainConfig, micro_batch: 
     """One AdamW step on the DPO loss of ``pairs`` (``preference_pairs``' rollout): the reference's log-probabilities
     first (the base with the adapter off, or a synced reference's weights), then the policy's, a micro-batch of whole
     pairs at a time through the shared-prompt forward, each micro-batch's mean loss weighted by its share of the
-    pairs (so the gradient is the whole batch's mean, for any micro-batch). Returns the loss and ``dpo_loss``'s
+    pairs (so the gradient is the whole batch's mean, for any micro-batch; ``sft`` over the batch's chosen tokens). Returns the loss and ``dpo_loss``'s
     statistics, of the whole batch."""
     device = next(model.parameters()).device
     reference = reference or Reference()
@@ -122,16 +154,20 @@ def dpo_update(model, optimizer, pairs: Rollout, cfg: TrainConfig, micro_batch: 
     chunks = _pair_chunks(rows, micro_batch)
     model.train()
     ref = sequence_logps(model, pairs, cfg, micro_batch, logits_chunk, context=reference.forward_context(model))
-    settings = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+    settings = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+                    loss_weights=cfg.loss_weights)
+    chosen_tokens = tokens[0::2].sum()
     optimizer.zero_grad(set_to_none=True)
     policy = []
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
     with forward(model, pairs, 1.0, logits_chunk) as fwd:  # leaving it finishes the prompt backward
         for c in chunks:
             logp = (fwd.logprobs(c) * mask[c]).sum(-1)
+            share = (c.stop - c.start) / rows
             loss, _ = dpo_loss(logp[0::2], logp[1::2], ref[c][0::2], ref[c][1::2], **settings,
-                               chosen_tokens=tokens[c][0::2], rejected_tokens=tokens[c][1::2])
-            (loss * (c.stop - c.start) / rows).backward()
+                               chosen_tokens=tokens[c][0::2], rejected_tokens=tokens[c][1::2],
+                               sft_tokens=chosen_tokens * share)
+            (loss * share).backward()
             policy.append(logp.detach())
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.max_grad_norm > 0:
