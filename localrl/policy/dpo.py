@@ -63,8 +63,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         if name == "sft":
             if chosen_tokens is None and sft_tokens is None:
                 raise ValueError("sft averages over the chosen completions' tokens: give their counts")
-            count = chosen_tokens.sum() if sft_tokens is None else sft_tokens
-            loss = -chosen_logps.sum() / max(float(count), 1.0)
+            count = max(float(chosen_tokens.sum()), 1.0) if sft_tokens is None else float(sft_tokens)
+            loss = -chosen_logps.sum() / count
         else:
             loss = _pair_losses(chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps, beta, name,
                                 label_smoothing, chosen_tokens, rejected_tokens).mean()
@@ -156,7 +156,7 @@ def dpo_update(model, optimizer, pairs: Rollout, cfg: TrainConfig, micro_batch: 
     ref = sequence_logps(model, pairs, cfg, micro_batch, logits_chunk, context=reference.forward_context(model))
     settings = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                     loss_weights=cfg.loss_weights)
-    chosen_tokens = tokens[0::2].sum()
+    chosen_tokens = max(float(tokens[0::2].sum()), 1.0)  # (clamped once, for the whole batch, as sft's default)
     optimizer.zero_grad(set_to_none=True)
     policy = []
     forward = SharedPromptForward if cfg.prompt_cache else ConcatForward
