@@ -30,9 +30,9 @@ def work_with(source: str, tasks: list[ShellTask], rule: str = "timeout", log: S
               max_turns: int = 4, max_tokens: int = 64) -> dict:
     """The agent ``source`` on each task with a fresh ``ScriptedPerson`` holding ``rule`` (recorded to ``log`` if
     given): the share of proposals approved as proposed, the share of tasks solved, the mean score, and per family."""
-    from localrl.serving.chat import open_chat_model
+    from localrl.serving.chat import EndsWhenFull, open_chat_model
 
-    model, person = _Bounded(open_chat_model(source)), ScriptedPerson(RULES[rule])
+    model, person = EndsWhenFull(open_chat_model(source)), ScriptedPerson(RULES[rule])
     system = agent_system("auto", source)
     solved, scores, families = 0, 0.0, {}
     scratch = Path(tempfile.mkdtemp(prefix="localrl-approvals-"))
@@ -61,25 +61,6 @@ def work_with(source: str, tasks: list[ShellTask], rule: str = "timeout", log: S
         shutil.rmtree(scratch, ignore_errors=True)
     return {"tasks": len(tasks), "proposals": person.asked, "approval_rate": person.approval_rate,
             "success": solved / len(tasks), "mean_score": scores / len(tasks), "families": families}
-
-
-class _Bounded:
-    """A chat model whose conversation past its context ends the episode (an empty reply: no answer), as a failure,
-    where ``run_agent`` would stop the whole run."""
-
-    def __init__(self, model):
-        self.model, self.name = model, model.name
-
-    def stream(self, messages, **kwargs):
-        from localrl.serving.chat import ContextFull
-
-        try:
-            yield from self.model.stream(messages, **kwargs)
-        except ContextFull:
-            return
-
-    def close(self):
-        self.model.close()
 
 
 def bench_approvals(source: str, out: str | Path, rule: str = "timeout", sessions: int = 200, held_out: int = 100,

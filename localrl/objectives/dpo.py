@@ -15,13 +15,12 @@ Its state through a run (checkpointed): the reference (moved only by ``sync_ref_
 
 from __future__ import annotations
 
-import math
 import time
 
 from localrl.config import check_fields
 from localrl.memory import peak_memory_mb
 from localrl.objectives import Objective, StepContext, objectives, step_record
-from localrl.policy.dpo import DPO_LOSS_TYPES, dpo_update, preference_pairs
+from localrl.policy.dpo import DPO_LOSS_TYPES, dpo_update, loss_terms, preference_pairs
 from localrl.policy.grpo import batch_plan
 from localrl.policy.reference import Reference
 
@@ -37,16 +36,17 @@ class DPO(Objective):
     def check_settings(cfg) -> None:
         dpo = cfg.objective == "dpo"
         named = [n.strip() for n in cfg.loss_type.split(",")]
-        weights = _numbers(cfg.loss_weights)
+        try:
+            loss_terms(cfg.loss_type, cfg.loss_weights)
+            weights_wrong = ""
+        except ValueError as e:
+            weights_wrong = str(e)
         check_fields(cfg, [
             ("label_smoothing", 0 <= cfg.label_smoothing < 0.5, "must be in [0, 0.5)"),
             ("label_smoothing", cfg.label_smoothing == 0 or (dpo and "robust" in named),
              "applies to objective dpo with loss_type robust only"),
             ("loss_weights", not cfg.loss_weights or dpo, "applies to objective dpo only"),
-            ("loss_weights", weights is not None and all(w >= 0 and math.isfinite(w) for w in weights),
-             "must be comma-separated numbers >= 0"),
-            ("loss_weights", not weights or len(weights) == len(named),
-             f"must give one weight for each loss in loss_type ({len(named)}: {cfg.loss_type})"),
+            ("loss_weights", not weights_wrong, weights_wrong),
             ("loss_type", len(set(named)) == len(named), "names a loss twice"),
             ("beta", not dpo or cfg.beta > 0, "objective dpo: must be positive (DPO's beta scales the log-ratios)"),
             ("markovian_chunk", not dpo or cfg.markovian_chunk == 0,
@@ -101,10 +101,3 @@ class DPO(Objective):
             else ""
         return f"loss {record['loss']:.4f}  {dpo}{sampled}"
 
-
-def _numbers(text: str) -> list[float] | None:
-    """Comma-separated numbers ([] for none), or None if one is not a number."""
-    try:
-        return [float(w) for w in text.split(",")] if text.strip() else []
-    except ValueError:
-        return None

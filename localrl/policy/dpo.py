@@ -25,6 +25,7 @@ The implicit rewards TRL logs are beta x each log-ratio.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -41,11 +42,19 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sft")
 
 def loss_terms(loss_type: str, loss_weights: str = "") -> list[tuple[str, float]]:
     """(loss, weight) of each loss ``loss_type`` names (comma-separated), weighted by ``loss_weights`` (comma-separated
-    numbers, one a loss; empty: 1 each). The config checks both before a run (``DPO.check_settings``)."""
+    numbers >= 0, one a loss; empty: 1 each). A ValueError says what is wrong with ``loss_weights`` (the config
+    reports it as a one-line error before a run, ``DPO.check_settings``)."""
     names = [n.strip() for n in loss_type.split(",")]
-    weights = [float(w) for w in loss_weights.split(",")] if loss_weights.strip() else [1.0] * len(names)
+    if not loss_weights.strip():
+        return [(name, 1.0) for name in names]
+    try:
+        weights = [float(w) for w in loss_weights.split(",")]
+    except ValueError:
+        weights = [-1.0]
+    if not all(w >= 0 and math.isfinite(w) for w in weights):
+        raise ValueError("must be comma-separated numbers >= 0")
     if len(weights) != len(names):
-        raise ValueError(f"loss_weights {loss_weights!r}: one weight for each of {', '.join(names)}")
+        raise ValueError(f"must give one weight for each loss in loss_type ({len(names)}: {loss_type})")
     return list(zip(names, weights))
 
 

@@ -46,13 +46,13 @@ def update(model, optimizer, rollout: Rollout, rewards: torch.Tensor, cfg: Train
     everyone = w.gather(rewards.tolist())
     all_rewards = torch.tensor(sum(everyone, []), dtype=rewards.dtype)
     offset = sum(map(len, everyone[:w.rank]))
-    given = advantages
-    advantages = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards).float()
-    advantages = advantages[offset:offset + rewards.numel()]
-    if reward_rows is not None:
-        advantages = advantages[reward_rows]
-    if given is not None:
-        advantages = given.float()
+    if advantages is None:
+        advantages = group_advantages(all_rewards, cfg.group_size, cfg.scale_rewards).float()
+        advantages = advantages[offset:offset + rewards.numel()]
+        if reward_rows is not None:
+            advantages = advantages[reward_rows]
+    else:
+        advantages = advantages.float()
     flat_groups = flat_group_share(all_rewards, cfg.group_size)
     if cfg.mask_truncated_completions:  # cut-off completions still shaped their group's advantages above
         rollout = replace(rollout, loss_mask=rollout.trained_mask * (~rollout.truncated)[:, None].long())

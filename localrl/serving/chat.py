@@ -143,6 +143,25 @@ def stream_fitted(model: ChatModel, messages: list[dict], on_drop=None, **kwargs
                 on_drop(e.context)
 
 
+class EndsWhenFull:
+    """A chat model whose conversation, once past its context, ends with an empty reply instead of raising
+    ContextFull: for measured episodes (``localrl.benchmarks.approvals``), where running out of context is the
+    episode's failure, not the whole run's end, and dropping old turns (``stream_fitted``, for chats) would change
+    the task the agent was given."""
+
+    def __init__(self, model: ChatModel):
+        self.model, self.name = model, model.name
+
+    def stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
+        try:
+            yield from self.model.stream(messages, **kwargs)
+        except ContextFull:
+            return
+
+    def close(self) -> None:
+        self.model.close()
+
+
 def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, system: str | None = None,
                   temperature: float = 0.2, stdin: TextIO | None = None, stdout: TextIO | None = None,
                   stderr: TextIO | None = None) -> None:
