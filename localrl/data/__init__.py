@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 from localrl.config import BUILTIN_TASKS
 from localrl.data import arithmetic, drafts, word_problems
 from localrl.data.calibration import CONFIDENCE_PROMPT
-from localrl.data.sources import Columns, is_file_source, read_rows
+from localrl.data.sources import Columns, is_missing, read_rows
 from localrl.errors import UserError
 from localrl.models import builtin_path
 
@@ -113,7 +112,7 @@ def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: R
             sample = held + [_row(p) for p in GENERATORS[data].sample_problems(random.Random(0), 64)]
             check_row(max(sample, key=lambda r: len(r["prompt"])), f"task {data}")
         return Task(data, None, held, system)
-    if not Path(data).exists() and (is_file_source(data) or data.count("/") != 1):
+    if is_missing(data):
         raise UserError(f"data {data!r}: no such file, and not a built-in task (built-in: {', '.join(BUILTIN_TASKS)})"
                         f" or a hub id (owner/name)", field="data")
     rows = read_rows(data, columns, check_row)

@@ -22,6 +22,11 @@ def check_prompt(prompt, where: str, column: str = "prompt") -> None:
     raise UserError(f"{where}: '{column}' must be a string or a list of {{role, content}} messages")
 
 
+def last_message(prompt) -> str:
+    """A checked prompt's text: the string, or a conversation's last message's content (the question asked)."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
 def json_objects(path: str | Path, what: str = "data") -> Iterator[tuple[str, dict]]:
     """``("file:line", object)`` for each non-empty line of a JSONL file; the first line that is not
     a UTF-8 JSON object stops with one line naming it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from localrl.data.groups import prompt_groups
 from localrl.errors import UserError
 from localrl.generation.endpoint import Endpoint, EndpointSettings
 
@@ -71,7 +72,7 @@ class judge_reward:
             raise UserError(f"reward judge: {self.endpoint!r} judged none of {n} completions; {why}", field="reward")
         overall = sum(judged) / len(judged)
         out: list[float] = []
-        for start, end in _groups(prompts):
+        for start, end in prompt_groups(prompts):
             mine = [s for s in scores[start:end] if s is not None]
             fill = sum(mine) / len(mine) if mine else overall
             out += [fill if s is None else s for s in scores[start:end]]
@@ -81,15 +82,3 @@ class judge_reward:
         stats = self.endpoint.take_stats("judge_")
         stats["judge_unparsed"], self.unparsed = self.unparsed, 0
         return stats
-
-
-def _groups(prompts: list) -> list[tuple[int, int]]:
-    """(start, end) of each run of consecutive completions of one prompt: a group."""
-    out, start = [], 0
-    while start < len(prompts):
-        end = start + 1
-        while end < len(prompts) and prompts[end] == prompts[start]:
-            end += 1
-        out.append((start, end))
-        start = end
-    return out

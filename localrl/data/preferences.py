@@ -28,7 +28,7 @@ import json
 
 from localrl.agent.tool_calls import with_command
 from localrl.data.arithmetic import parse_question, slipped_answer, worked_answer
-from localrl.data.jsonl import check_prompt
+from localrl.data.jsonl import check_prompt, last_message
 from localrl.errors import UserError
 
 def preference_row(raw: dict, where: str) -> dict:
@@ -94,7 +94,7 @@ def _implicit_prompt(chosen, rejected, where: str) -> tuple:
 def builtin_pair(row: dict) -> dict:
     """The built-in addition task's pair of a ``{prompt, answer}`` row: the worked solution chosen over its near miss
     (``arithmetic.slipped_answer``: the carries forgotten, or one digit slipped)."""
-    problem = parse_question(row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"])
+    problem = parse_question(last_message(row["prompt"]))
     return {"prompt": row["prompt"], "chosen": worked_answer(problem), "rejected": slipped_answer(problem)}
 
 

@@ -22,6 +22,7 @@ import math
 import re
 from typing import Callable
 
+from localrl.data.groups import prompt_groups
 from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
 from localrl.data.drafts import draft_edits
 from localrl.data.judge import PREFIX as JUDGE_PREFIX
@@ -138,17 +139,13 @@ class length_penalty:
     def __call__(self, completions: list[str], completion_ids: list[list[int]], **columns) -> list[float]:
         right = self.correct(completions, completion_ids=completion_ids, **columns)
         prompts = columns.get("prompt", [None] * len(completions))
-        out, start = [], 0
-        while start < len(completions):
-            end = start + 1
-            while end < len(completions) and prompts[end] == prompts[start]:
-                end += 1
+        out = []
+        for start, end in prompt_groups(prompts):
             lengths = [len(ids) for ids in completion_ids[start:end]]
             lo, hi = min(lengths), max(lengths)
             for n, ok in zip(lengths, right[start:end]):
                 lam = 0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo)
                 out.append(lam if ok == 1.0 else min(0.0, lam))
-            start = end
         return out
 
 

@@ -79,6 +79,11 @@ def is_file_source(data: str) -> bool:
     return Path(data).suffix.lower() in FILE_FORMATS
 
 
+def is_missing(source: str) -> bool:
+    """Whether ``source`` is neither a file or directory here nor a hub id (owner/name) the cache may hold."""
+    return not Path(source).exists() and (is_file_source(source) or source.count("/") != 1)
+
+
 def read_rows(source: str, columns: Columns = Columns(), check_row: Callable[[dict, str], None] | None = None,
               what: str = "data") -> list[dict]:
     """The checked rows of ``source`` (a file, a ``save_to_disk`` directory, or a cached hub id)."""

@@ -54,11 +54,16 @@ class Rollout:
     def groups(self, keep: torch.Tensor) -> "Rollout":
         """The prompts where ``keep`` ([B] bool) is set, with their groups; completions trimmed to the
         longest one kept."""
-        rows = keep.repeat_interleave(self.group_size)  # [B*G]
+        return self.take(keep, keep.repeat_interleave(self.group_size), self.group_size)
+
+    def take(self, prompts: torch.Tensor, rows: torch.Tensor, group_size: int) -> "Rollout":
+        """A rollout of the prompts ``prompts`` selects and the completion rows ``rows`` selects (a bool mask or
+        indices each), ``group_size`` rows for each prompt kept, in order; completions trimmed to the longest one
+        kept."""
         mask = self.completion_mask[rows]
         width = max(int(mask.sum(-1).max()), 1) if mask.numel() else 1
-        return Rollout(self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[rows, :width],
-                       mask[:, :width], self.truncated[rows], self.group_size,
+        return Rollout(self.prompt_ids[prompts], self.prompt_mask[prompts], self.completion_ids[rows, :width],
+                       mask[:, :width], self.truncated[rows], group_size,
                        None if self.loss_mask is None else self.loss_mask[rows, :width],
                        None if self.branch is None else self.branch[rows])
 
@@ -88,6 +93,14 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     n = max(len(s) for s in seqs)
     ids = torch.tensor([[pad_id] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack variable-length sequences with padding on the right; returns ids and mask."""
+    n = max(len(s) for s in seqs)
+    ids = torch.tensor([list(s) + [pad_id] * (n - len(s)) for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs], dtype=torch.long)
     return ids, mask
 
 

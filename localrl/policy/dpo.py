@@ -123,12 +123,7 @@ def preference_pairs(rollout: Rollout, rewards: torch.Tensor) -> tuple[Rollout |
         return None, tied
     first = torch.arange(grouped.size(0)) * g
     rows = torch.stack([first + grouped.argmax(1), first + grouped.argmin(1)], dim=1)[keep].flatten()
-    mask = rollout.completion_mask[rows]
-    width = max(int(mask.sum(-1).max()), 1)
-    return Rollout(rollout.prompt_ids[keep], rollout.prompt_mask[keep], rollout.completion_ids[rows, :width],
-                   mask[:, :width], rollout.truncated[rows], 2,
-                   None if rollout.loss_mask is None else rollout.loss_mask[rows, :width],
-                   None if rollout.branch is None else rollout.branch[rows]), tied
+    return rollout.take(keep, rows, 2), tied
 
 
 def _pair_chunks(rows: int, micro_batch: int) -> list[slice]:

@@ -23,10 +23,10 @@ from localrl.agent.session_log import FILE as SESSIONS
 from localrl.config import check_fields
 from localrl.data import GENERATORS, Task, held_out_split, system_prompt
 from localrl.data.preferences import builtin_pair, is_session, preference_row, session_pairs
-from localrl.data.sources import Columns, is_file_source, raw_rows
+from localrl.data.sources import Columns, is_missing, raw_rows
 from localrl.errors import UserError
 from localrl.generation.agent_rollout import TurnFormat
-from localrl.generation.rollout import Rollout, encode_prompts, left_pad, stop_token_ids
+from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad, stop_token_ids
 from localrl.policy.dpo import preference_accuracy
 from localrl.policy.sft import end_of_turn
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
@@ -78,7 +78,7 @@ class Preferences(Sampler):
             held = [builtin_pair({"prompt": p.question}) for p in GENERATORS["arith"].held_out_problems(
                 cfg.eval_size)]
             return Task(cfg.data, None, held, system)
-        if not Path(cfg.data).exists() and (is_file_source(cfg.data) or cfg.data.count("/") != 1):
+        if is_missing(cfg.data):
             raise UserError(f"data {cfg.data!r}: no such file (sampler preferences reads {{prompt, chosen, "
                             f"rejected}} rows)", field="data")
         rows = self._rows(cfg.data, "data")
@@ -126,7 +126,7 @@ class Preferences(Sampler):
         prompt_ids, prompt_mask = left_pad(encode_prompts(tok, rows, system), tok.pad_token_id)
         completions = [tok(r[k], add_special_tokens=False)["input_ids"] + [self.end_id]
                        for r in rows for k in ("chosen", "rejected")]
-        ids, mask = _right_pad(completions, tok.pad_token_id)
+        ids, mask = right_pad(completions, tok.pad_token_id)
         return Rollout(prompt_ids, prompt_mask, ids, mask, torch.zeros(len(completions), dtype=torch.bool), 2)
 
     def sample(self, ctx, step: int, tokens: int, system=lambda s: s) -> Batch:
@@ -148,10 +148,3 @@ class Preferences(Sampler):
         if progress is not None:
             progress(out["n"], out["n"])
         return out
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
-    return ids, mask

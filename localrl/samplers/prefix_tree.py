@@ -24,7 +24,7 @@ import torch
 
 from localrl.config import FIELDS, check_fields
 from localrl.data.arithmetic import parse_question, worked_answer
-from localrl.data.jsonl import check_prompt, json_objects
+from localrl.data.jsonl import check_prompt, json_objects, last_message
 from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of
@@ -73,7 +73,7 @@ def make_tree(tok, prompt: list[int], trace: str, prefixes: int) -> Tree:
 
 def builtin_trace(row: dict) -> str:
     """The built-in solver's worked solution of an addition problem (its carries all kept)."""
-    problem = parse_question(_key(row["prompt"]))
+    problem = parse_question(last_message(row["prompt"]))
     if problem is None:
         raise UserError(f"teacher_traces: the built-in solver solves the addition task's questions, not "
                         f"{row['prompt']!r}", field="teacher_traces")
@@ -90,12 +90,8 @@ def read_traces(path: str) -> dict[str, str]:
         if not isinstance(trace, str) or "\n" not in trace.strip("\n"):
             raise UserError(f"{where}: 'trace' must be a string of steps, one a line (a prefix ends after a line)",
                             field="teacher_traces")
-        out[_key(obj["prompt"])] = trace
+        out[last_message(obj["prompt"])] = trace
     return out
-
-
-def _key(prompt) -> str:
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 @samplers.register("prefix_tree")
@@ -126,10 +122,10 @@ class PrefixTree(Completions):
     def trace(self, row: dict) -> str:
         if self.traces is None:
             return builtin_trace(row)
-        found = self.traces.get(_key(row["prompt"]))
+        found = self.traces.get(last_message(row["prompt"]))
         if found is None:
             raise UserError(f"teacher_traces {self.cfg.teacher_traces}: no trace of the prompt "
-                            f"{_key(row['prompt'])[:80]!r}", field="teacher_traces")
+                            f"{last_message(row['prompt'])[:80]!r}", field="teacher_traces")
         return found
 
     def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
