@@ -9,8 +9,8 @@ import pytest
 
 from localrl.data import load_task
 from localrl.data.arithmetic import Problem, is_held_out, parse_question
-from localrl.data.drafts import DraftProblem, draft_edits, draft_lines, held_out_problems, render, sample_problems, \
-    working
+from localrl.data.drafts import DraftProblem, draft_lines, held_out_problems, render, sample_problems, working
+from localrl.data.rewards import draft_edits
 
 
 def test_each_level_carries_its_one_mistake_and_the_rest_follows():
@@ -48,7 +48,7 @@ def test_the_held_out_drafts_are_fixed_and_never_trained_on():
     assert task.sample(3, 4, seed=1) == task.sample(3, 4, seed=1)
 
 
-def test_draft_edits_takes_off_the_share_of_right_lines_changed():
+def test_draft_edits_takes_off_the_share_of_right_lines_changed_from_right_answers():
     d = DraftProblem(Problem(457, 68), 2)
     prompt = d.question
     truth_lines, truth = working(d.problem)
@@ -60,9 +60,13 @@ def test_draft_edits_takes_off_the_share_of_right_lines_changed():
     one_right_line_changed = render([("9+9=18" if i == right[0] else line) for i, line in enumerate(truth_lines)],
                                     truth)
     short = "<think>7+8=15\n</think><answer>525</answer>"
-    scores = draft_edits([fixed, d.draft, one_right_line_changed, short, "525"], [prompt] * 5, [d.draft] * 5)
+    wrong_and_rewritten = render(["1+1=2"] * 3, "999")
+    copied_unanswered = d.draft.split("</think>")[0]  # the right lines kept and no answer: the hack it once paid
+    completions = [fixed, one_right_line_changed, short, "525", d.draft, wrong_and_rewritten, copied_unanswered]
+    scores = draft_edits(completions, [prompt] * 7, [d.draft] * 7, ["525"] * 7)
     kept_in_short = int(right[0] == 0)
-    assert scores == pytest.approx([0.0, 0.0, -0.5, -(2 - kept_in_short) / 2, -1.0])
+    # right answers pay for the right lines they changed; wrong ones (the draft's own too) pay nothing
+    assert scores == pytest.approx([0.0, -0.5, -(2 - kept_in_short) / 2, -1.0, 0.0, 0.0, 0.0])
     # a chat-message prompt, and a question it cannot read (no penalty)
-    assert draft_edits([fixed], [[{"role": "user", "content": prompt}]], [d.draft]) == [0.0]
-    assert draft_edits([fixed], ["no question here"], [d.draft]) == [0.0]
+    assert draft_edits([short], [[{"role": "user", "content": prompt}]], [d.draft], ["525"]) == scores[2:3]
+    assert draft_edits([short], ["no question here"], [d.draft], ["525"]) == [0.0]

@@ -151,8 +151,10 @@ def test_dpo_learns_a_persons_edits_from_recorded_sessions(tmp_path):
 
 def test_the_terminal_uis_agent_records_when_the_switch_is_on(tmp_path, monkeypatch):
     """The Agent screen, driven by a scripted person: Record on, a secret planted in a file the model reads, the
-    command edited before it runs; the episode's line in the data directory's sessions/ holds the edit, masked."""
-    from tests.test_tui import SIZE, LocalRLApp, _agent_done, _agent_task, run as run_async
+    command edited before it runs, the task rated 4; the episode's line in the data directory's sessions/ holds the
+    edit, masked, and the rating. A second task left unrated is written, rating null, when a third starts."""
+    from tests.helpers import wait_for
+    from tests.test_tui import SIZE, LocalRLApp, _agent_task, run as run_async
 
     monkeypatch.setenv("LOCALRL_DEPLOY_TOKEN", ENV_SECRET)
     work = tmp_path / "work"
@@ -168,14 +170,28 @@ def test_the_terminal_uis_agent_records_when_the_switch_is_on(tmp_path, monkeypa
             screen = await _agent_task(pilot, app, "what is deploy.txt?")
             screen.query_one("#command").value = "cat deploy.txt"
             await pilot.press("enter")
-            await _agent_done(pilot, screen)
-            return screen.transcript
+            await wait_for(pilot, lambda: screen.query_one("#rating").display, timeout=30)
+            assert not log.exists()  # written once the rating is answered
+            await pilot.click("#rate-4")
+            await wait_for(pilot, lambda: log.exists(), timeout=10)
+            lines = [log.read_text()]
+            for task in ("anything else?", "and now?"):  # the second is left unrated: the third writes it
+                screen.query_one("#task").value = task
+                screen.query_one("#task").focus()
+                await pilot.press("enter")
+                await wait_for(pilot, lambda: screen.query_one("#rating").display, timeout=30)
+            lines.append(log.read_text())
+            return screen.transcript, lines
 
-    transcript = run_async(go())
+    log = tmp_path / "data" / "sessions" / "sessions.jsonl"
+    transcript, (raw, later) = run_async(go())
     assert any("recording this session to" in e["content"] for e in transcript)
-    raw = (tmp_path / "data" / "sessions" / "sessions.jsonl").read_text()
+    assert any(e["content"] == f"recorded to {log}, rated 4" for e in transcript)
     assert ENV_SECRET not in raw
     [record] = [json.loads(line) for line in raw.splitlines()]
+    assert record["rating"] == 4
+    assert [(r["task"], r["rating"]) for r in map(json.loads, later.splitlines())] == [
+        ("what is deploy.txt?", 4), ("anything else?", None)]
     assert [(t["proposed"], t["decision"], t["command"]) for t in record["turns"]] == [
         ("sudo cat deploy.txt", "edited", "cat deploy.txt")]
     assert "uses [masked]" in record["turns"][0]["output"] and record["answer"] == "It is a deploy file."

@@ -12,7 +12,9 @@ A built-in agent (tiny-shell, a run of it, or its GGUF) gets no system message, 
 training; other models get the tool-call instructions. The transcript is saved after every event. With "Record"
 on (off by default; said in the transcript when a task starts), each task's episode is also appended to the
 sessions log (``localrl.agent.session_log``: each proposal, the decision and edit, the output, secrets masked) in
-the data directory's ``sessions/``, which ``--objective dpo`` learns from.
+the data directory's ``sessions/``, which ``--objective dpo`` learns from. A recorded task ends with a rating asked
+(1 to 5, or none); the episode is written when it is answered, or with no rating when the next task starts or the
+screen closes.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class AgentScreen(Screen):
         self.approve_all = False  # mirrors the switch; the worker reads this, never the widget
         self.record = False  # mirrors the Record switch: each task's episode is recorded (opt-in)
         self.sessions = SessionLog(data_dir / "sessions")
+        self._unrated: tuple[Episode, list[dict]] | None = None  # a recorded episode waiting for its rating
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -82,11 +85,18 @@ class AgentScreen(Screen):
                 yield Button("Reject", id="reject", variant="error", compact=True)
                 yield Button("Always", id="always", compact=True)
                 yield Button("Never", id="never", compact=True)
+        with Vertical(id="rating"):
+            yield Static("Rate the agent's work on this task (kept in the session log):")
+            with Horizontal():
+                for n in range(1, 6):
+                    yield Button(str(n), id=f"rate-{n}", compact=True)
+                yield Button("No rating", id="rate-none", compact=True)
         yield Input(placeholder="Task for the agent (Enter starts it)", id="task")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#approval").display = False
+        self.query_one("#rating").display = False
         self.watch(self.app, "model_status", lambda s: self.query_one("#agent-status", Static).update(s))
         self.query_one("#transcript", VerticalScroll).anchor()
         self.query_one("#task", Input).focus()
@@ -94,6 +104,7 @@ class AgentScreen(Screen):
     def on_unmount(self) -> None:
         self.cancel.set()
         self._decided.set()
+        self._write_episode(None, show=False)
 
     # -- user actions ----------------------------------------------------------------------
 
@@ -115,6 +126,8 @@ class AgentScreen(Screen):
             self.action_approve()
         elif event.button.id == "reject":
             self.action_reject()
+        elif event.button.id.startswith("rate-"):
+            self._write_episode(None if event.button.id == "rate-none" else int(event.button.id[len("rate-"):]))
         elif event.button.id in ("always", "never") and self.query_one("#approval").display:
             command = self.query_one("#command", Input).value
             self._decide(command if event.button.id == "always" else None, remember=event.button.id == "always")
@@ -132,6 +145,7 @@ class AgentScreen(Screen):
         except UserError as e:
             self.notify(str(e), severity="error")
             return
+        self._write_episode(None)  # the last task's, unrated
         self.approvals = Approvals(sandbox.workdir, self.approvals_file)
         self.cancel.clear()
         self._add("user", task)
@@ -193,9 +207,11 @@ class AgentScreen(Screen):
             if episode is not None:
                 episode.turn(len(messages) - 2, commands[0], decision, command, result.exit_code,
                              result.describe(echo=False))
-        if episode is not None:  # (no rating asked here: the record's rating stays null)
-            self.sessions.end(episode, messages)
         self._call(self._set_status, "stopped" if self.cancel.is_set() else "done")
+        if episode is not None and get_current_worker().is_cancelled:  # the app is closing: no one to ask
+            self.sessions.end(episode, messages)
+        elif episode is not None:
+            self._call(self._ask_rating, episode, messages)
 
     def _stream_reply(self, messages: list[dict]) -> str | None:
         view = self.app.call_from_thread(self._add, "assistant", "", streaming=True)
@@ -242,6 +258,22 @@ class AgentScreen(Screen):
         box.value = command
         box.focus()
         self._set_status("waiting for approval")
+
+    def _ask_rating(self, episode: Episode, messages: list[dict]) -> None:
+        self._unrated = (episode, messages)
+        self.query_one("#rating").display = True
+        self._set_status("rate this task, or start the next one (no rating)")
+
+    def _write_episode(self, rating: int | None, show: bool = True) -> None:
+        """The recorded episode waiting for its rating, written with ``rating`` (None: no rating)."""
+        if self._unrated is None:
+            return
+        (episode, messages), self._unrated = self._unrated, None
+        self.sessions.end(episode, messages, rating)
+        if show:
+            self.query_one("#rating").display = False
+            self.query_one("#task", Input).focus()
+            self._add("tool", f"recorded to {self.sessions.path}" + (f", rated {rating}" if rating else ""))
 
     def _finish_reply(self, view: Message, note: str) -> None:
         view.finish(note)

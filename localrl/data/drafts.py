@@ -16,9 +16,9 @@ Levels, each a kind of mistake a person or a model makes:
 3. a carry is forgotten (the built-in model's own slip), and the working after it follows (find the column).
 
 The rewards that go with it: ``numeric`` scores the corrected answer (its accuracy is the fixed-draft rate), and
-``draft_edits`` (``localrl.data.rewards``) takes off the share of the draft's right lines the completion changed,
-so a fix is paid for keeping what was right: improve the draft, don't rewrite it from scratch, and don't copy it
-either. A problem's level and mistake are a pure function of the problem and its level, and the held-out split is
+``draft_edits`` (``localrl.data.rewards``) takes off, from a right answer, the share of the draft's right lines the
+completion changed, so a fix is paid more for keeping what was right: improve the draft, don't rewrite it from
+scratch; and as a wrong answer pays nothing for its edits, copying the draft earns nothing either. A problem's level and mistake are a pure function of the problem and its level, and the held-out split is
 the addition task's (a held-out sum never appears as a training draft).
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from localrl.data.arithmetic import Problem, parse_question
+from localrl.data.arithmetic import Problem
 from localrl.data.arithmetic import sample_problems as sample_sums
 
 LEVELS = (1, 2, 3)
@@ -123,20 +123,3 @@ def draft_lines(text: str) -> list[str]:
     """The column lines of a worked answer (inside its think tags), stripped."""
     inside = text.split("<think>", 1)[-1].split("</think>", 1)[0]
     return [line.strip() for line in inside.strip().splitlines() if line.strip()]
-
-
-def draft_edits(completions: list[str], prompt: list, draft: list[str], **_) -> list[float]:
-    """Minus the share of the draft's right column lines that the completion changed (0: every right line kept,
-    or a draft with none), read against the true working of the question in the prompt."""
-    out = []
-    for text, p, d in zip(completions, prompt, draft):
-        question = p if isinstance(p, str) else " ".join(m["content"] for m in p if m.get("role") == "user")
-        asked = parse_question(question)
-        if asked is None:
-            out.append(0.0)
-            continue
-        truth, given, written = working(asked)[0], draft_lines(d), draft_lines(text)
-        right = [i for i, line in enumerate(given) if i < len(truth) and line == truth[i]]
-        changed = sum(i >= len(written) or written[i] != given[i] for i in right)
-        out.append(-changed / len(right) if right else 0.0)
-    return out

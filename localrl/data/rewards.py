@@ -24,7 +24,8 @@ from typing import Callable
 
 from localrl.data.groups import prompt_groups
 from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
-from localrl.data.drafts import draft_edits
+from localrl.data.arithmetic import parse_question
+from localrl.data.drafts import draft_lines, working
 from localrl.data.judge import PREFIX as JUDGE_PREFIX
 from localrl.data.judge import judge_reward
 from localrl.errors import UserError, failure_line, user_callable
@@ -105,6 +106,25 @@ def format_reward(completions: list[str], **_) -> list[float]:
     """1.0 where the completion is exactly ``<think>...</think><answer>...</answer>``, optionally followed by
     one ``<confidence>...</confidence>``."""
     return [float(_FORMAT.match(t) is not None) for t in completions]
+
+
+def draft_edits(completions: list[str], prompt: list, draft: list[str], answer: list, **_) -> list[float]:
+    """``data = drafts``' edit term: on a right answer (``numeric_match``), minus the share of the draft's right column
+    lines that the completion changed (read against the true working of the question in the prompt); 0 on a wrong
+    answer, a draft with no right line, or a question it cannot read. Ungated, the term was won by copying the draft's
+    right lines and never answering (docs/contrast.md)."""
+    out = []
+    for text, p, d, right_answer in zip(completions, prompt, draft, numeric_match(completions, answer)):
+        question = p if isinstance(p, str) else " ".join(m["content"] for m in p if m.get("role") == "user")
+        asked = parse_question(question)
+        if asked is None or not right_answer:
+            out.append(0.0)
+            continue
+        truth, given, written = working(asked)[0], draft_lines(d), draft_lines(text)
+        right = [i for i, line in enumerate(given) if i < len(truth) and line == truth[i]]
+        changed = sum(i >= len(written) or written[i] != given[i] for i in right)
+        out.append(-changed / len(right) if right else 0.0)
+    return out
 
 
 class overlong_punishment:
