@@ -70,3 +70,41 @@ def test_draft_edits_takes_off_the_share_of_right_lines_changed_from_right_answe
     # a chat-message prompt, and a question it cannot read (no penalty)
     assert draft_edits([short], [[{"role": "user", "content": prompt}]], [d.draft], ["525"]) == scores[2:3]
     assert draft_edits([short], ["no question here"], [d.draft], ["525"]) == [0.0]
+
+
+def test_shell_drafts_pay_a_right_end_state_less_for_each_right_part_of_the_draft_it_changed(tmp_path):
+    """env shell_drafts: the built-in task with its careless commands as the draft. The expert's fix keeps the
+    draft's right words (reward 1); the draft as it is fails; a right rewrite (cat | wc -l for wc -w <) pays for
+    the one right word it dropped ('<': 1 - 0.5 x 1/3); a wrong end state pays nothing for edits."""
+    from localrl.config import TrainConfig
+    from localrl.envs import environment_for
+    from localrl.envs.shell import expert_answer, expert_call
+    from localrl.envs.shell_drafts import HEADER, changed_share, with_draft
+    from localrl.envs.shell_tasks import generate
+    from localrl.errors import UserError
+
+    task = with_draft(generate(3, "count", 1))
+    f = task.slip[0].split()[-1]
+    assert task.slip == (f"wc -w < {f}",) and task.solution == (f"wc -l < {f}",)
+    assert f"\n{HEADER} wc -w < {f}\n" in task.instruction
+    assert changed_share(task, [f"cat {f} | wc -l"]) == pytest.approx(1 / 3)
+
+    setup = environment_for(TrainConfig(env="shell_drafts", eval_size=6))
+    assert all(HEADER in t.instruction for t in setup.held_out) and HEADER in setup.train(0).instruction
+    env = setup.make_env(lambda seed: task)
+
+    def play(*commands: str, answer: str | None = None) -> float:
+        env.reset(0)
+        observation = ""
+        for command in commands:
+            observation, _ = env.step(expert_call(command))
+        env.step(f"<answer>{answer}</answer>" if answer is not None else expert_answer(observation, task))
+        return env.reward()
+
+    assert play(f"wc -l < {f}") == 1.0
+    assert play(f"wc -w < {f}") == 0.0
+    assert play(f"cat {f} | wc -l") == pytest.approx(1 - 0.5 / 3)
+    assert play("ls", answer="0") == 0.0  # wrong, and every right word changed: no edit penalty on top
+    env.close()
+    with pytest.raises(UserError, match="^config field env_tasks: needs env = 'shell'"):  # a file has no drafts
+        TrainConfig(env="shell_drafts", env_tasks=str(tmp_path / "t.jsonl")).validate()
