@@ -243,7 +243,8 @@ class TrainConfig:
                                    "first turn's advantage is the episode's; 0: each turn credited with its own)")
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
-                      "files and answer); empty: train on the data's prompts")
+                      "files and answer), 'shell_drafts' (the same tasks, each with a draft with one mistake to "
+                      "fix); empty: train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
     env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
