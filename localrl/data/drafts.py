@@ -18,8 +18,9 @@ Levels, each a kind of mistake a person or a model makes:
 The rewards that go with it: ``numeric`` scores the corrected answer (its accuracy is the fixed-draft rate), and
 ``draft_edits`` (``localrl.data.rewards``) takes off, from a right answer, the share of the draft's right lines the
 completion changed, so a fix is paid more for keeping what was right: improve the draft, don't rewrite it from
-scratch; and as a wrong answer pays nothing for its edits, copying the draft earns nothing either. A problem's level and mistake are a pure function of the problem and its level, and the held-out split is
-the addition task's (a held-out sum never appears as a training draft).
+scratch; and as a wrong answer pays nothing for its edits, copying the draft earns nothing either. A problem's
+level and mistake are a pure function of the problem and its level, and the held-out split is the addition task's
+(a held-out sum never appears as a training draft).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ import math
 import re
 from typing import Callable
 
-from localrl.data.groups import prompt_groups
-from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
 from localrl.data.arithmetic import parse_question
+from localrl.data.calibration import TRAILING_CONFIDENCE, brier_penalty
 from localrl.data.drafts import draft_lines, working
+from localrl.data.groups import prompt_groups
 from localrl.data.judge import PREFIX as JUDGE_PREFIX
 from localrl.data.judge import judge_reward
 from localrl.errors import UserError, failure_line, user_callable

@@ -20,7 +20,7 @@ import stat
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from localrl.agent.tool_calls import parse_tool_calls
@@ -47,6 +47,7 @@ class EpisodeStats:
     invalid_calls: int = 0
     answered: bool = False  # ended with a final answer rather than the turn limit
     sandbox_seconds: float = 0.0
+    commands: list[str] = field(default_factory=list)  # the commands run, in order
 
 
 class ShellEnv:
@@ -90,6 +91,7 @@ class ShellEnv:
         commands = parse_tool_calls(action)
         if commands:
             self.stats.tool_calls += 1
+            self.stats.commands.append(commands[0])
             result = self.sandbox.run(commands[0])
             self.stats.sandbox_seconds += result.seconds
             observation = result.describe(echo=False)  # the model wrote the command: only what it printed

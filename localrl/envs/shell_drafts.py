@@ -19,7 +19,6 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
-from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments
 from localrl.envs.shell import SHELL_PRESET, ShellEnv, generated_tasks, shell_environment
 from localrl.envs.shell_tasks import ShellTask, held_out_tasks
@@ -35,6 +34,7 @@ def with_draft(task: ShellTask) -> ShellTask:
 
 
 def words(commands) -> list[str]:
+    """The shell words of ``commands``, all of them in order."""
     out = []
     for command in commands:
         try:
@@ -47,27 +47,19 @@ def words(commands) -> list[str]:
 def changed_share(task: ShellTask, ran: list[str]) -> float:
     """The share of the draft's right words (its words the expert's commands also use) that no command in ``ran``
     used; 0 for a draft with none."""
-    right = [w for w in words(task.slip) if w in set(words(task.solution))]
+    expert = set(words(task.solution))
+    right = [w for w in words(task.slip) if w in expert]
     used = set(words(ran))
     return sum(w not in used for w in right) / len(right) if right else 0.0
 
 
 class DraftEnv(ShellEnv):
-    """The shell, remembering the commands an episode ran, whose reward takes off the draft's right parts changed."""
-
-    def reset(self, seed: int) -> str:
-        self.ran: list[str] = []
-        return super().reset(seed)
-
-    def step(self, action: str) -> tuple[str, bool]:
-        commands = parse_tool_calls(action)
-        if commands:
-            self.ran.append(commands[0])
-        return super().step(action)
+    """The shell, whose reward of a right end state takes off the draft's right parts the episode's commands
+    changed."""
 
     def reward(self) -> float:
         score = super().reward()
-        return score - EDIT_WEIGHT * changed_share(self.task, self.ran) if score == 1.0 else score
+        return score - EDIT_WEIGHT * changed_share(self.task, self.stats.commands) if score == 1.0 else score
 
 
 @environments.register("shell_drafts", preset=SHELL_PRESET)  # (env_tasks: the shell check refuses it here)

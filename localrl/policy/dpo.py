@@ -47,12 +47,13 @@ def loss_terms(loss_type: str, loss_weights: str = "") -> list[tuple[str, float]
     names = [n.strip() for n in loss_type.split(",")]
     if not loss_weights.strip():
         return [(name, 1.0) for name in names]
+    not_weights = ValueError("must be comma-separated numbers >= 0")
     try:
         weights = [float(w) for w in loss_weights.split(",")]
     except ValueError:
-        weights = [-1.0]
+        raise not_weights from None
     if not all(w >= 0 and math.isfinite(w) for w in weights):
-        raise ValueError("must be comma-separated numbers >= 0")
+        raise not_weights
     if len(weights) != len(names):
         raise ValueError(f"must give one weight for each loss in loss_type ({len(names)}: {loss_type})")
     return list(zip(names, weights))
