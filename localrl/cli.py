@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the session (each proposed command, your decision and edit, the output; secrets "
                    "masked; it stays on this machine) as a line of DIR/sessions.jsonl, for `--objective dpo`; "
                    "without DIR: the run's sessions/ folder, when the source is a run")
+    p.add_argument("--follow-edits", default="", metavar="DIR", help="revise each proposed command as your recorded "
+                   "edits in DIR (sessions.jsonl) would have (e.g. `wc -l` -> `wc --lines`) before you are asked")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("tui", help="terminal UI: train and watch runs, chat with a model, a terminal agent")
@@ -222,7 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default timeout: every command under `timeout 10`; long-options: `wc --lines`, never `wc -l`)")
     p.add_argument("--sessions", type=int, help="approvals: sessions recorded with the scripted person (default 200)")
     p.add_argument("--held-out", type=int, help="approvals: held-out tasks measured before and after (default 100)")
-    p.add_argument("--steps", type=int, help="approvals: RPO steps on the recorded sessions (default 15)")
+    p.add_argument("--learn", choices=["rpo", "rl", "sft", "harness"], help="approvals: how the agent learns from "
+                   "the sessions (default rpo: DPO + NLL on the edits; rl: GRPO in the shell against the person "
+                   "learned from the edits, env shell_person; sft: the expert's solutions in the learned person's "
+                   "form; harness: no training, proposals revised as the edits would)")
+    p.add_argument("--steps", type=int, help="approvals: training steps on the recorded sessions (default 15 for "
+                   "rpo, 30 for rl)")
     p.add_argument("--out", default=None, help="approvals: where the sessions and the trained run are kept (default: "
                    "a new temporary directory)")
     p.set_defaults(func=cmd_bench)

@@ -244,12 +244,15 @@ class TrainConfig:
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer), 'shell_drafts' (the same tasks, each with a draft with one mistake to "
-                      "fix); empty: train on the data's prompts")
+                      "fix), 'shell_person' (the same tasks, rewarded also by a person learned from "
+                      "person_sessions); empty: train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
     env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
                                "all. The held-out evaluation always covers every family and level")
     env_levels: str = _f("", "comma-separated difficulty levels to train on (1, 2, 3), for a curriculum; empty: all")
+    person_sessions: str = _f("", "env shell_person: recorded agent sessions (a directory holding sessions.jsonl, as "
+                                  "localrl agent --record writes) whose edits the person's rules are learned from")
     max_turns: int = _f(4, "model turns per episode, each at most max_new_tokens; an episode ends at its answer")
     process_reward: str = _f("", "a user's process reward, package.module:function(state) -> float, called after each "
                                  "turn with the environment's state (the shell's: instruction, workdir, turns, "
@@ -348,6 +351,7 @@ class TrainConfig:
              f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
+            ("person_sessions", not self.person_sessions or self.env == "shell_person", "needs env = 'shell_person'"),
         ]
         for name, f in FIELDS.items():  # inf and nan pass every comparison below or none: refuse both
             value = getattr(self, name)

@@ -91,8 +91,10 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
     (["distributed", "--prompt-len", "8"], "bench distributed: takes --model, --prompts"),
     (["distributed", "--prompts", "0"], "bench distributed: need --prompts >= 1"),
     (["memory", "--group", "1"], "bench memory: need --group >= 2"),
-    (["memory", "--sessions", "5"], "bench memory: --rule, --sessions, --held-out, --steps and --out are for bench "
-                                    "approvals"),
+    (["memory", "--sessions", "5"], "bench memory: --rule, --sessions, --held-out, --learn, --steps and --out are "
+                                    "for bench approvals"),
+    (["rollout", "--learn", "rl"], "bench rollout: --rule, --sessions, --held-out, --learn, --steps and --out are "
+                                   "for bench approvals"),
     (["approvals", "--group", "4"], "bench approvals: takes --model, --rule, --sessions"),
     (["approvals", "--held-out", "0"], "bench approvals: need --sessions, --held-out and --steps >= 1"),
     (["memory", "--model", "tiny-arith", "--budget", "12XB"], "cannot read '12XB'"),

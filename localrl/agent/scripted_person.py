@@ -18,9 +18,10 @@ ways in the sandbox).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from localrl.agent.shell_words import ASSIGNMENT, REDIRECT, shell_words
 
 # tool -> {short letter: (long name, argument)}; argument: "" none, "next" (attached or the next word),
 # "attached" (only if attached, as sed's -i SUFFIX)
@@ -57,34 +58,6 @@ LONG_OPTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "tr": {"d": ("delete", ""), "s": ("squeeze-repeats", ""), "c": ("complement", "")},
     "cat": {"n": ("number", ""), "A": ("show-all", ""), "E": ("show-ends", "")},
 }
-_OPERATOR = re.compile(r"\|\||&&|;;|>>|<<|[|;&<>()]")
-_REDIRECT = {">", ">>", "<", "<<"}
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
-
-def _words(line: str) -> list[tuple[int, int, str, bool]]:
-    """The line's words and operators: (start, end, text, is_operator); a quoted or escaped part stays in its word
-    (an unclosed quote runs to the end of the line)."""
-    out, i, n = [], 0, len(line)
-    while i < n:
-        if line[i].isspace():
-            i += 1
-            continue
-        if m := _OPERATOR.match(line, i):
-            out.append((i, m.end(), m.group(), True))
-            i = m.end()
-            continue
-        start = i
-        while i < n and not line[i].isspace() and not _OPERATOR.match(line, i):
-            if line[i] in "'\"":
-                close = line.find(line[i], i + 1)
-                i = n if close < 0 else close + 1
-            else:
-                i += 2 if line[i] == "\\" else 1
-        out.append((start, min(i, n), line[start:i], False))
-    return out
-
-
 def _long_form(word: str, table: dict[str, tuple[str, str]], following: str | None) -> tuple[str, bool] | None:
     """``word``'s options spelt long, and whether the next word (``following``) was its argument; None to leave it."""
     parts, i = [], 1
@@ -107,14 +80,14 @@ def _long_form(word: str, table: dict[str, tuple[str, str]], following: str | No
 
 def long_options(line: str) -> str:
     """``line`` with every short option of a tool in ``LONG_OPTIONS`` spelt long; a line with none is returned as is."""
-    words, edits = _words(line), []
+    words, edits = shell_words(line), []
     tool, options_end, after_redirect, skip = None, False, False, False
     for k, (start, end, text, operator) in enumerate(words):
         if skip:
             skip = False
             continue
         if operator:
-            after_redirect = text in _REDIRECT
+            after_redirect = text in REDIRECT
             if not after_redirect:
                 tool, options_end = None, False
             continue
@@ -122,7 +95,7 @@ def long_options(line: str) -> str:
             after_redirect = False
             continue
         if tool is None:
-            if not _ASSIGNMENT.match(text):
+            if not ASSIGNMENT.match(text):
                 tool = text.rsplit("/", 1)[-1]
             continue
         if text == "--":

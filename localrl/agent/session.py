@@ -65,11 +65,14 @@ def check_workdir(workdir: str | Path, force: bool = False) -> Path:
 def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys.stdout, max_turns: int = 8,
               max_tokens: int = 256, timeout: float = 30.0, system: str | None = "",
               approvals: Approvals | None = None, force_workdir: bool = False, log: SessionLog | None = None,
-              rate: Callable[[], int | None] | None = None) -> list[dict]:
+              rate: Callable[[], int | None] | None = None, revise: Callable[[str], str] | None = None) -> list[dict]:
     """Work on ``task`` until the model answers without a tool call or ``max_turns`` turns pass; returns
     the conversation. ``system``: "" for the standard instructions (naming ``workdir``), None for none.
     ``force_workdir``: allow ``/`` or the home directory (``check_workdir``). ``log``: record the episode there
-    (each proposal, the decision, the output; ``rate()``: the person's rating at the end, or None)."""
+    (each proposal, the decision, the output; ``rate()``: the person's rating at the end, or None). ``revise``: the
+    harness's edit of each command the model proposes before anyone is asked (``edit_rules.EditRules.apply``: what the
+    person's past edits would make of it), which the person is asked about; the conversation keeps the model's reply
+    as it wrote it, as it does when the person edits (the model reads the revised command's output)."""
     check_workdir(workdir, force_workdir)
     sandbox = Sandbox(workdir, timeout=timeout)
     approvals = approvals or Approvals(workdir)
@@ -81,14 +84,14 @@ def run_agent(model, task: str, workdir: str | Path, ask: Ask, out: TextIO = sys
     if log is not None:
         out.write(f"[{log.describe()}]\n")
         episode = log.begin(task, getattr(model, "name", ""), sandbox.workdir)
-    _work(model, messages, sandbox, approvals, ask, out, max_turns, max_tokens, episode)
+    _work(model, messages, sandbox, approvals, ask, out, max_turns, max_tokens, episode, revise)
     if episode is not None:
         log.end(episode, messages, rate() if rate is not None else None)
     return messages
 
 
 def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, ask: Ask, out: TextIO,
-          max_turns: int, max_tokens: int, episode: Episode | None) -> None:
+          max_turns: int, max_tokens: int, episode: Episode | None, revise: Callable[[str], str] | None) -> None:
     """The agent's turns, appended to ``messages`` (and recorded in ``episode``)."""
     for _ in range(max_turns):
         reply = []
@@ -109,6 +112,9 @@ def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, a
             break
         command = proposed = commands[0]
         reply_at = len(messages) - 1
+        if revise is not None and (revised := revise(command)) != command:
+            out.write(f"[revised by your past edits: {revised}]\n")
+            command = proposed = revised  # (the conversation keeps the model's reply, as it does a person's edit)
         decision, why = approvals.decide(command)
         if decision == "ask":
             action, value = ask(command, why)

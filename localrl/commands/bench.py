@@ -18,8 +18,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from localrl.modeling import pick_device
 
     if args.what != "approvals" and any(v is not None for v in (args.rule, args.sessions, args.held_out, args.steps,
-                                                                   args.out)):
-        raise UserError(f"bench {args.what}: --rule, --sessions, --held-out, --steps and --out are for bench approvals")
+                                                                   args.out, args.learn)):
+        raise UserError(f"bench {args.what}: --rule, --sessions, --held-out, --learn, --steps and --out are for bench "
+                        f"approvals")
     shape = MODEL_SHAPES[args.model_size]
     model = "4-bit Qwen2-style model" + (" (tiny, smoke test)" if args.model_size == "tiny" else "")
     if args.what == "export":
@@ -145,19 +146,24 @@ def _bench_approvals(args: argparse.Namespace) -> int:
 
     if any(v is not None for v in (args.prompts, args.prompt_len, args.completion_len, args.group, args.budget)) or \
             args.model_size != "full":
-        raise UserError("bench approvals: takes --model, --rule, --sessions, --held-out, --steps and --out")
+        raise UserError("bench approvals: takes --model, --rule, --sessions, --held-out, --learn, --steps and --out")
+    learn = args.learn or "rpo"
     sessions, held_out, steps = (d if v is None else v for v, d in ((args.sessions, 200), (args.held_out, 100),
-                                                                     (args.steps, 15)))
+                                                                     (args.steps, 30 if learn == "rl" else 15)))
     if sessions < 1 or held_out < 1 or steps < 1:
         raise UserError("bench approvals: need --sessions, --held-out and --steps >= 1")
     out = args.out or tempfile.mkdtemp(prefix="localrl-approvals-")
     if args.out and Path(out).exists() and any(Path(out).iterdir()):
         raise UserError(f"bench approvals --out {out}: not empty (its sessions would mix with new ones)")
     model, rule = args.model or "tiny-shell", args.rule or "timeout"
+    how = {"rpo": f"RPO (DPO + the chosen's NLL) for {steps} steps on the sessions' edits",
+           "rl": f"GRPO for {steps} steps in the shell against the person learned from the sessions' edits",
+           "sft": f"sft for {steps} steps on the expert's solutions as the person learned from the edits writes them",
+           "harness": "proposals revised as the sessions' edits would (no training)"}[learn]
     print(f"approvals benchmark: {model} works with a scripted person (rule: {rule}; a command it breaks is edited to "
-          f"the allowed form) on {sessions} training tasks, recorded; RPO (DPO + the chosen's NLL) for {steps} steps on "
-          f"the sessions; before and after on {held_out} held-out tasks; kept in {out}")
-    result = bench_approvals(model, out, rule, sessions=sessions, held_out=held_out, steps=steps)
+          f"the allowed form) on {sessions} training tasks, recorded; {how}; before and after on {held_out} held-out "
+          f"tasks; kept in {out}")
+    result = bench_approvals(model, out, rule, sessions=sessions, held_out=held_out, learn=learn, steps=steps)
     if args.json:
         print(json.dumps(result))
     return 0

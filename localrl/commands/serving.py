@@ -64,12 +64,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
     system = agent_system(args.system, args.source)
     log = SessionLog(record_directory(args.record, args.source)) if args.record else None
+    revise = None
+    if args.follow_edits:
+        from localrl.agent.edit_rules import EditRules
+
+        rules = EditRules.from_sessions(args.follow_edits)
+        print(f"following your edits in {args.follow_edits}: {rules.describe()}" + "".join(
+            f"\n  {r.describe()}" for r in rules.rules))
+        revise = rules.apply
     quiet_libraries()
     model = open_chat_model(args.source, args.n_ctx)
     try:
         run_agent(model, args.task, args.workdir, terminal_ask(), max_turns=args.max_turns, max_tokens=args.max_tokens,
                   timeout=args.timeout, system=system, force_workdir=args.force_workdir, log=log,
-                  rate=terminal_rating() if log is not None else None)
+                  rate=terminal_rating() if log is not None else None, revise=revise)
     finally:
         model.close()
     return 0

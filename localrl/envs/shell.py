@@ -210,14 +210,15 @@ def probe_verifiers(spec: str, tasks: list[ShellTask], isolation: str, timeout: 
                             field="env_tasks")
 
 
-def solve(env: ShellEnv, seed: int, slip: bool = False) -> tuple[float, list[tuple[str, str]]]:
-    """Play the task's expert solution (or with ``slip``, its careless one): the reward and the
-    (action, observation) turns, as a scripted agent writes them (the built-in agent model's
+def solve(env: ShellEnv, seed: int, slip: bool = False,
+          revise: Callable[[str], str] | None = None) -> tuple[float, list[tuple[str, str]]]:
+    """Play the task's expert solution (or with ``slip``, its careless one; each command as ``revise`` makes it):
+    the reward and the (action, observation) turns, as a scripted agent writes them (the built-in agent model's
     pretraining trajectories come from this)."""
     env.reset(seed)
     turns = []
     for command in (env.task.slip if slip else env.task.solution):
-        action = expert_call(command)
+        action = expert_call(revise(command) if revise is not None else command)
         observation, done = env.step(action)
         turns.append((action, observation))
         if done:
