@@ -86,7 +86,7 @@ def test_the_person_env_takes_off_the_share_of_commands_the_person_would_edit(tm
     from localrl.envs.shell import ShellEnv, expert_answer, expert_call
     from localrl.envs.shell_person import PERSON_WEIGHT
 
-    sessions = _sessions(tmp_path, "long-options")
+    sessions = _sessions(tmp_path, "long-options", n=24)
     setup = environment_for(TrainConfig(env="shell_person", person_sessions=str(sessions), eval_size=20).validate())
     person = RULES["long-options"]
     task = next(t for t in setup.held_out if any(person(c) != c for c in t.solution))
@@ -159,7 +159,7 @@ def test_agent_follow_edits_on_the_command_line(tmp_path):
 
 @pytest.mark.slow
 def test_each_way_of_learning_from_the_sessions_runs(tmp_path):
-    """``bench approvals --learn``: one step of GRPO against the learned person (shell_person) and of sft on the
+    """``bench approvals --learn``: one tiny step of GRPO against the learned person (shell_person) and of sft on the
     expert in the person's form, each a run the agent session opens; the harness revises as the edits would."""
     from localrl.benchmarks.approvals import LEARNERS
     from localrl.runs import Run
@@ -167,7 +167,7 @@ def test_each_way_of_learning_from_the_sessions_runs(tmp_path):
     sessions = _sessions(tmp_path, "long-options", n=12)
     for learn in ("rl", "sft"):
         agent, revise = LEARNERS[learn]("tiny-shell", sessions, tmp_path / learn, 1, 0, print_fn=lambda *_: None,
-                                        prompts_per_step=2, group_size=4)
+                                        prompts_per_step=1, group_size=2)
         assert revise is None and Run(agent).read_config().env == "shell_person"
         [record] = [json.loads(line) for line in (tmp_path / learn / "run" / "metrics.jsonl").read_text().splitlines()
                     if json.loads(line).get("kind") == "train"]
