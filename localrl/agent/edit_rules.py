@@ -178,5 +178,6 @@ class EditRules:
         return self.apply(command) == command
 
     def describe(self) -> str:
-        return (f"{len(self.rules)} rules from {self.edits} edits ({self.dropped} dropped: an approved command "
-                f"broke them)")
+        plural = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"  # noqa: E731
+        return (f"{plural(len(self.rules), 'rule')} from {plural(self.edits, 'edit')} ({self.dropped} dropped: an "
+                f"approved command broke them)")
