@@ -351,7 +351,6 @@ class TrainConfig:
              f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
-            ("person_sessions", not self.person_sessions or self.env == "shell_person", "needs env = 'shell_person'"),
         ]
         for name, f in FIELDS.items():  # inf and nan pass every comparison below or none: refuse both
             value = getattr(self, name)

@@ -85,16 +85,21 @@ def _start(source: str) -> dict:
         "model": source}
 
 
-def learn_rpo(source: str, sessions: Path, out: Path, steps: int, seed: int, print_fn=print,
-              **overrides) -> tuple[str, None]:
-    """RPO (DPO + the chosen's NLL, 16 pairs a step, lr 1e-3, beta 0.1) on the sessions' pairs."""
+def _train(source: str, out: Path, settings: dict, overrides: dict):
+    """A run under ``out/run`` from ``source`` with ``settings`` (a smaller test's ``overrides`` over them)."""
     from localrl.config import TrainConfig
     from localrl.training.loop import train
 
-    cfg = TrainConfig(**{**_start(source), "objective": "dpo", "sampler": "preferences", "data": str(sessions),
-                         "beta": 0.1, "loss_type": "sigmoid,sft", "steps": steps, "prompts_per_step": 16, "lr": 1e-3,
-                         "seed": seed, "eval_size": 32, "run_dir": str(out / "run"), **overrides}).validate()
-    result = train(cfg, log=lambda *_: None)
+    cfg = TrainConfig(**{**_start(source), **settings, "run_dir": str(out / "run"), **overrides}).validate()
+    return train(cfg, log=lambda *_: None)
+
+
+def learn_rpo(source: str, sessions: Path, out: Path, steps: int, seed: int, print_fn=print,
+              **overrides) -> tuple[str, None]:
+    """RPO (DPO + the chosen's NLL, 16 pairs a step, lr 1e-3, beta 0.1) on the sessions' pairs."""
+    result = _train(source, out, {"objective": "dpo", "sampler": "preferences", "data": str(sessions), "beta": 0.1,
+                                  "loss_type": "sigmoid,sft", "steps": steps, "prompts_per_step": 16, "lr": 1e-3,
+                                  "seed": seed, "eval_size": 32}, overrides)
     pairs = [r["accuracy"] if r else None for r in (result.eval_before, result.eval_after)]
     if None not in pairs:
         print_fn(f"held-out preference accuracy {pairs[0]:.1%} -> {pairs[1]:.1%}")
@@ -105,12 +110,8 @@ def learn_rl(source: str, sessions: Path, out: Path, steps: int, seed: int, prin
              **overrides) -> tuple[str, None]:
     """GRPO in ``shell_person`` (the shell's preset: 8 tasks x 8 episodes a step; its lr) against the person learned
     from the sessions."""
-    from localrl.config import TrainConfig
-    from localrl.training.loop import train
-
-    cfg = TrainConfig(**{**_start(source), "env": "shell_person", "person_sessions": str(sessions), "steps": steps,
-                         "seed": seed, "eval_size": 0, "run_dir": str(out / "run"), **overrides}).validate()
-    train(cfg, log=lambda *_: None)
+    _train(source, out, {"env": "shell_person", "person_sessions": str(sessions), "steps": steps, "seed": seed,
+                         "eval_size": 0}, overrides)
     return str(out / "run"), None
 
 
@@ -118,13 +119,8 @@ def learn_sft(source: str, sessions: Path, out: Path, steps: int, seed: int, pri
               **overrides) -> tuple[str, None]:
     """The supervised warm start (8 tasks a step, its lr) on the shell expert's solutions in the person's form, as
     the rules learned from the sessions' edits write them (``--objective sft --env shell_person``)."""
-    from localrl.config import TrainConfig
-    from localrl.training.loop import train
-
-    cfg = TrainConfig(**{**_start(source), "objective": "sft", "env": "shell_person",
-                         "person_sessions": str(sessions), "steps": steps, "seed": seed, "eval_size": 0,
-                         "run_dir": str(out / "run"), **overrides}).validate()
-    train(cfg, log=lambda *_: None)
+    _train(source, out, {"objective": "sft", "env": "shell_person", "person_sessions": str(sessions), "steps": steps,
+                         "seed": seed, "eval_size": 0}, overrides)
     return str(out / "run"), None
 
 

@@ -1,11 +1,11 @@
 """The ``shell_person`` environment: the sandboxed shell, whose reward also asks a person's recorded sessions what
-they would have said. ``person_sessions`` names the sessions (``localrl agent --record DIR``, or the TUI's Record switch); the
-edits in them are learned as rules (``localrl.agent.edit_rules``: ``wc -l`` -> ``wc --lines``, ``timeout 10`` before
-every line, ...), and an episode's reward is the task's verifier less ``PERSON_WEIGHT`` x the share of the commands
-it ran that the learned person would have edited. This is reinforcement learning from a person's approvals as RLHF
-does it: a model of the person fitted to their decisions, then RL against it, here with the task's verifier beside it
-so that pleasing the person never pays more than doing the task. Held-out success (reward 1) is a task solved with
-every command one the person would have approved as proposed.
+they would have said. ``person_sessions`` names the sessions (``localrl agent --record DIR``, or the TUI's Record
+switch); the edits in them are learned as rules (``localrl.agent.edit_rules``: ``wc -l`` -> ``wc --lines``,
+``timeout 10`` before every line, ...), and an episode's reward is the task's verifier less ``PERSON_WEIGHT`` x the
+share of the commands it ran that the learned person would have edited. This is reinforcement learning from a
+person's approvals as RLHF does it: a model of the person fitted to their decisions, then RL against it, here with the
+task's verifier beside it so that pleasing the person never pays more than doing the task. Held-out success (reward
+1) is a task solved with every command one the person would have approved as proposed.
 
 The tasks, split and sandbox are the shell's built-in ones (``shell``); the expert (what ``--objective sft`` learns
 from) is the shell's, each of its commands as the person's edits would have it (``wc -l`` spelt ``wc --lines``): the
@@ -51,6 +51,7 @@ def check_person_settings(cfg) -> None:
     person = cfg.env == "shell_person"
     check_fields(cfg, [("env_tasks", not (person and cfg.env_tasks), "env shell_person trains on the built-in shell "
                                                                      "tasks"),
+                       ("person_sessions", not cfg.person_sessions or person, "needs env = 'shell_person'"),
                        ("person_sessions", not person or bool(cfg.person_sessions), "env shell_person learns the "
                         "person from recorded sessions: name them (localrl agent --record DIR)")])
 
@@ -71,5 +72,6 @@ def shell_person_environment(cfg) -> EnvSetup:
     def factory(source) -> PersonEnv:
         return PersonEnv(rules, source, cfg.max_turns, cfg.env_timeout, setup.details["isolation"])
 
-    return replace(setup, factory=factory, expert=revised_solve, details={**setup.details, "person_rules": len(rules.rules)},
+    return replace(setup, factory=factory, expert=revised_solve,
+                   details={**setup.details, "person_rules": len(rules.rules)},
                    describe=f"{setup.describe}; the person: {rules.describe()}")
