@@ -245,7 +245,9 @@ class TrainConfig:
     env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
                       "files and answer), 'shell_drafts' (the same tasks, each with a draft with one mistake to "
                       "fix), 'shell_person' (the same tasks, rewarded also by a person learned from "
-                      "person_sessions); empty: train on the data's prompts")
+                      "person_sessions), 'world:SOURCE' (the same tasks in a shell simulated by the world model "
+                      "SOURCE: tiny-shell-world, a model, run or GGUF, or an endpoint URL|MODEL; held out in the real "
+                      "sandbox); empty: train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
     env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
@@ -257,7 +259,7 @@ class TrainConfig:
     process_reward: str = _f("", "a user's process reward, package.module:function(state) -> float, called after each "
                                  "turn with the environment's state (the shell's: instruction, workdir, turns, "
                                  "answer); replaces the environment's own turn rewards (what turn_grpo credits)")
-    env_workers: int = _f(8, "environment steps (sandboxed commands) run at once")
+    env_workers: int = _f(8, "environment steps (sandboxed commands, a world model's questions) run at once")
     env_timeout: float = _f(5.0, "seconds a command may run in the sandbox")
     isolation: str = _f("auto", "sandbox isolation: auto (the strongest that works here), bwrap, landlock, "
                                 "unshare or process")

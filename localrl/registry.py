@@ -20,6 +20,10 @@ checks the config fields that are its own and the combinations it cannot run wit
 selects it (a field set for a plug-in the run does not use is a mistake too), and its ``preset`` (or
 ``preset=``) is what selecting it changes from the defaults unless the file or the flags set it.
 ``TrainConfig.validate()`` and ``build_config`` ask the registries for both.
+
+A plug-in registered with ``argument=`` is named with one: ``NAME:ARGUMENT`` (``--env world:tiny-shell-world``), and
+reads it with ``argument(name)``. A registered name before the ``:`` wins over a ``package.module:function`` of the
+same spelling.
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ class Registry:
         self._plugins: dict[str, Any] = {}
         self._presets: dict[str, dict[str, Any]] = {}
         self._checks: dict[str, Callable | None] = {}
+        self._arguments: dict[str, str] = {}  # name -> what its argument is (plug-ins named NAME:ARGUMENT)
         self._discovered = False
 
     def register(self, name: str, plugin: Any = None, *, preset: dict[str, Any] | None = None,
-                 check: Callable | None = None):
+                 check: Callable | None = None, argument: str | None = None):
         """Register ``plugin`` as ``name`` (its ``preset`` and ``check_settings``, unless given here); without
-        ``plugin``, a decorator that registers what it decorates. Registering a name again replaces the earlier
-        plug-in (a module imported twice, a test's own)."""
+        ``plugin``, a decorator that registers what it decorates. ``argument``: what the plug-in is given after
+        its name (``NAME:ARGUMENT``), when it needs one. Registering a name again replaces the earlier plug-in (a
+        module imported twice, a test's own)."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r}: must be non-empty, without ':'")
 
@@ -55,19 +61,23 @@ class Registry:
             self._plugins[name] = p
             self._presets[name] = dict(preset if preset is not None else getattr(p, "preset", None) or {})
             self._checks[name] = check if check is not None else getattr(p, "check_settings", None)
+            if argument:
+                self._arguments[name] = argument
+            else:
+                self._arguments.pop(name, None)
             return p
 
         return add if plugin is None else add(plugin)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (a test's own plug-in, once the test is done)."""
-        for table in (self._plugins, self._presets, self._checks):
+        for table in (self._plugins, self._presets, self._checks, self._arguments):
             table.pop(name, None)
 
     def preset(self, name: str) -> dict[str, Any]:
         """What selecting the registered plug-in ``name`` changes from the defaults ({} for any other name)."""
         self._discover()
-        return dict(self._presets.get(name, {}))
+        return dict(self._presets.get(self._registered(name), {}))
 
     def check_settings(self, cfg) -> None:
         """Every registered plug-in checks its own settings in ``cfg`` (a UserError naming the field)."""
@@ -92,12 +102,28 @@ class Registry:
         """The plug-in registered as ``name``, or the callable a ``package.module:function`` name points at;
         anything else stops the run in one line naming the config field and the names there are."""
         self._discover()
-        if name in self._plugins:
-            return self._plugins[name]
+        registered = self._registered(name)
+        if registered in self._arguments and not self.argument(name):
+            what = self._arguments[registered]
+            raise UserError(f"config field {self.field}: {self.kind} {registered!r} needs its {what}: "
+                            f"{registered}:{what}", field=self.field)
+        if registered in self._plugins:
+            return self._plugins[registered]
         if ":" in name:
             return user_callable(name, self.kind, self.field)
         raise UserError(f"config field {self.field}: {name!r} is not a known {self.kind} (one of "
                         f"{', '.join(self.names())}, or package.module:function)", field=self.field)
+
+    def _registered(self, name: str) -> str:
+        """The registered name ``name`` selects: itself, or the ``NAME`` of ``NAME:ARGUMENT``."""
+        head, sep, _ = name.partition(":")
+        return head if sep and head in self._arguments else name
+
+    def argument(self, name: str) -> str:
+        """The ``ARGUMENT`` of ``NAME:ARGUMENT`` (empty when there is none)."""
+        self._discover()
+        head, sep, rest = name.partition(":")
+        return rest.strip() if sep and head in self._arguments else ""
 
     def known(self, name: str) -> bool:
         return ":" in name or name in self.names()

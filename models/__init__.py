@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT = "tiny-arith"
-BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-arith-verbose", "tiny-shell")  # each pretrained as build.py says
+BUILTIN = ("tiny-arith", "tiny-arith-conf", "tiny-arith-verbose", "tiny-shell", "tiny-shell-world")  # each pretrained as build.py says
 
 
 def builtin_names() -> list[str]:

@@ -56,7 +56,7 @@ def trajectories(spec: ShellPretraining, rng: random.Random, log=print) -> list[
     return out
 
 
-def build_tokenizer(texts: list[str], vocab_size: int):
+def build_tokenizer(texts: list[str], vocab_size: int, tags: list[str] = TAGS):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,7 +66,7 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])

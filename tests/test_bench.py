@@ -91,10 +91,13 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
     (["distributed", "--prompt-len", "8"], "bench distributed: takes --model, --prompts"),
     (["distributed", "--prompts", "0"], "bench distributed: need --prompts >= 1"),
     (["memory", "--group", "1"], "bench memory: need --group >= 2"),
-    (["memory", "--sessions", "5"], "bench memory: --rule, --sessions, --held-out, --learn, --steps and --out are "
-                                    "for bench approvals"),
-    (["rollout", "--learn", "rl"], "bench rollout: --rule, --sessions, --held-out, --learn, --steps and --out are "
-                                   "for bench approvals"),
+    (["memory", "--sessions", "5"], "bench memory: --rule, --sessions, --learn, --steps and --out are for bench "
+                                    "approvals"),
+    (["rollout", "--learn", "rl"], "bench rollout: --rule, --sessions, --learn, --steps and --out are for bench "
+                                   "approvals"),
+    (["memory", "--held-out", "5"], "bench memory: --held-out is for bench approvals and bench world"),
+    (["world", "--group", "4"], "bench world: takes --model and --held-out"),
+    (["world", "--held-out", "0"], "bench world: need --held-out >= 1"),
     (["approvals", "--group", "4"], "bench approvals: takes --model, --rule, --sessions"),
     (["approvals", "--held-out", "0"], "bench approvals: need --sessions, --held-out and --steps >= 1"),
     (["memory", "--model", "tiny-arith", "--budget", "12XB"], "cannot read '12XB'"),
@@ -169,6 +172,13 @@ def test_bench_rollout_tiny(builtin_model):
                                             "llama.cpp, batched (f16 GGUF)"]
     assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 for r in rows)
     assert "ratios to torch 4-bit:" in proc.stdout
+
+
+def test_bench_world_tiny():
+    proc = bench("world", "--held-out", "3", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^all +\d+\.\d% +\d+\.\d% +\d+\.\d% +\d+\.\d% +\d+ +6$", proc.stdout, re.M), proc.stdout
+    assert json_line(proc.stdout)["all"]["episodes"] == 6
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from localrl.envs import EnvSetup, environments
+from localrl.errors import UserError
 from localrl.objectives import Objective, objectives
 from localrl.samplers import samplers
 
@@ -166,12 +167,29 @@ def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, ca
     assert "config field env: must be empty or one of letters, shell" in capsys.readouterr().err
 
 
+def test_a_plugin_that_takes_an_argument_is_named_name_colon_argument():
+    from localrl.config import build_config
+    from localrl.envs.shell import shell_environment
+    from localrl.envs.world import world_environment
+
+    assert environments.get("world:tiny-shell-world") is environments.get("world:http://host/v1|m") is world_environment
+    assert environments.argument("world:http://host/v1|m") == "http://host/v1|m"
+    assert build_config(None, {"env": "world:tiny-shell-world"}).model == "tiny-shell"  # the plug-in's preset
+    # a package.module:function whose module is no registered name is still one
+    assert environments.argument("localrl.envs.shell:shell_environment") == ""
+    assert environments.get("localrl.envs.shell:shell_environment") is shell_environment
+    with pytest.raises(UserError, match=r"^config field env: environment 'world' needs its SOURCE: world:SOURCE$"):
+        environments.get("world")
+
+
 def test_the_loop_names_no_objective_sampler_or_environment():
     """The loop (training/loop.py) asks the registries; a recipe's name anywhere in it (code, strings or comments) means a branch
     for that recipe crept back into the loop."""
     source = (ROOT / "localrl" / "training" / "loop.py").read_text().lower()
     names = set(objectives.names()) | set(samplers.names()) | set(environments.names())
     names |= {"markovian", "experience", "episode", "shell", "sft", "grpo", "library", "llama", "sandbox"}
+    names -= {"world"}  # the simulated shell's name is also torch.distributed's word for the processes, which it names
+    names |= {"simulat", "world_model", "world:"}
     found = sorted(n for n in names if re.search(rf"\b{re.escape(n)}", source))
     assert not found, f"localrl/training/loop.py names {found}"
 

@@ -105,7 +105,7 @@ LAYERS = [
     ("localrl.training",),  # the loop drives objectives
     # what a user runs: the commands, benchmarks, serving, the baselines, building the built-in models
     ("localrl.commands", "localrl.benchmarks", "localrl.serving", "localrl.baselines", "localrl.models.build",
-     "localrl.models.pretraining", "localrl.models.shell_pretraining"),
+     "localrl.models.pretraining", "localrl.models.shell_pretraining", "localrl.models.world_pretraining"),
     ("localrl.tui",),  # the terminal UI (it runs training as a `localrl train` subprocess)
     ("localrl.cli", "localrl.__main__"),  # the command line: the one importer of the UI
 ]

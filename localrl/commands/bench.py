@@ -1,6 +1,7 @@
 """``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
 function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``,
-``localrl.benchmarks.approvals`` for ``bench approvals``)."""
+``localrl.benchmarks.approvals`` for ``bench approvals``, ``localrl.evaluation.world_fidelity`` for ``bench
+world``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                  bench_prompt_cache, export_quants)
     from localrl.modeling import pick_device
 
-    if args.what != "approvals" and any(v is not None for v in (args.rule, args.sessions, args.held_out, args.steps,
-                                                                   args.out, args.learn)):
-        raise UserError(f"bench {args.what}: --rule, --sessions, --held-out, --learn, --steps and --out are for bench "
-                        f"approvals")
+    if args.what != "approvals" and any(v is not None for v in (args.rule, args.sessions, args.steps, args.out,
+                                                                   args.learn)):
+        raise UserError(f"bench {args.what}: --rule, --sessions, --learn, --steps and --out are for bench approvals")
+    if args.what not in ("approvals", "world") and args.held_out is not None:
+        raise UserError(f"bench {args.what}: --held-out is for bench approvals and bench world")
     shape = MODEL_SHAPES[args.model_size]
     model = "4-bit Qwen2-style model" + (" (tiny, smoke test)" if args.model_size == "tiny" else "")
     if args.what == "export":
@@ -45,6 +47,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_memory(args)
     if args.what == "approvals":
         return _bench_approvals(args)
+    if args.what == "world":
+        return _bench_world(args)
     prompts = (8 if args.what == "distributed" else 2) if args.prompts is None else args.prompts
     if args.what == "agent-step":
         from localrl.benchmarks.side_by_side import bench_agent_step
@@ -137,6 +141,37 @@ def _bench_memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     return 0 if all(r["under_budget"] for r in rows) else 1
+
+
+def _bench_world(args: argparse.Namespace) -> int:
+    import time
+
+    from localrl.config import TrainConfig
+    from localrl.envs.shell_tasks import held_out_tasks
+    from localrl.envs.world_models import open_world_model
+    from localrl.evaluation.world_fidelity import fidelity, format_fidelity
+    from localrl.generation.endpoint import EndpointSettings
+
+    if any(v is not None for v in (args.prompts, args.prompt_len, args.completion_len, args.group, args.budget)) or \
+            args.model_size != "full":
+        raise UserError("bench world: takes --model and --held-out")
+    held_out = 100 if args.held_out is None else args.held_out
+    if held_out < 1:
+        raise UserError("bench world: need --held-out >= 1")
+    source = args.model or "tiny-shell-world"
+    print(f"world benchmark: {source} as the shell, against the real sandbox, on {held_out} held-out tasks (names "
+          f"never seen), each played by the scripted expert and the careless one; exact matches")
+    world = open_world_model(source, EndpointSettings.of(TrainConfig()))
+    t0 = time.monotonic()
+    try:
+        result = fidelity(world, held_out_tasks(held_out))
+    finally:
+        world.close()
+    print(format_fidelity(result))
+    print(f"{time.monotonic() - t0:.1f} s")
+    if args.json:
+        print(json.dumps(result))
+    return 0
 
 
 def _bench_approvals(args: argparse.Namespace) -> int:

@@ -58,9 +58,15 @@ class EnvSetup:
     describe: str = ""  # a line for the run's start
     expert: Callable[[Environment, int], tuple[float, list[tuple[str, str]]]] | None = None  # (score, turns)
     expert_tasks: Callable[[], TaskSource] | None = None  # the training tasks the expert can solve
+    evaluate: Callable[[TaskSource], Environment] | None = None  # the held-out tasks' environment (None: factory's)
+    memory: int = 0  # bytes the environment holds all run, in the run's memory plan (a world model's weights, caches)
 
     def make_env(self, tasks: TaskSource | None = None) -> Environment:
         return self.factory(tasks or self.train)
+
+    def eval_env(self, tasks: TaskSource) -> Environment:
+        """An environment for held-out episodes (a simulated environment's are played in the real one)."""
+        return (self.evaluate or self.factory)(tasks)
 
 
 def task_list(tasks: Sequence[Any]) -> TaskSource:

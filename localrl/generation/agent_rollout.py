@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -252,6 +253,9 @@ def _episode_stats(episodes: list[Episode], rewards: list[float], env_s: float, 
                    total_s: float) -> dict:
     n = len(episodes)
     stats = [getattr(e.env, "stats", None) for e in episodes]
+    counted = Counter()  # what environments count beside (a world model's unread replies), summed over episodes
+    for s in stats:
+        counted.update(getattr(s, "counts", None) or {})
 
     def mean(key: str) -> float:
         return sum(getattr(s, key, 0) for s in stats) / n
@@ -267,4 +271,5 @@ def _episode_stats(episodes: list[Episode], rewards: list[float], env_s: float, 
         "env_s": round(env_s, 3),
         "model_s": round(model_s, 3),
         "rollout_s": round(total_s, 3),
+        **counted,
     }

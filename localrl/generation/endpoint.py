@@ -60,7 +60,7 @@ class Endpoint:
     """Chat completions from one model of one OpenAI-compatible server. ``field``: the config field that named it
     (for error lines)."""
 
-    def __init__(self, spec: str, field: str, settings: EndpointSettings = EndpointSettings()):
+    def __init__(self, spec: str, field: str, settings: EndpointSettings = EndpointSettings(), role: str = "judge"):
         url, _, model = spec.strip().partition("|")
         parts = urllib.parse.urlsplit(url.strip())
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -68,7 +68,7 @@ class Endpoint:
                             field=field)
         path = parts.path.rstrip("/") or "/v1"
         self.base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
-        self.model, self.field, self.settings = model.strip(), field, settings
+        self.model, self.field, self.settings, self.role = model.strip(), field, settings, role
         self.key = next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)), "")
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -89,7 +89,7 @@ class Endpoint:
         try:
             listed = self._call("GET", "/models", None, self.settings.timeout)
         except _Failed as e:
-            raise UserError(f"config field {self.field}: the judge at {self.base} does not answer ({e}); start the "
+            raise UserError(f"config field {self.field}: the {self.role} at {self.base} does not answer ({e}); start the "
                             f"server or fix the URL", field=self.field) from None
         ids = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else []
         if not self.model:

@@ -75,7 +75,7 @@ class Episodes(Sampler):
                             f"{self.context} tokens", field="max_new_tokens")
         trajectory = min(self.context - longest, trajectory_budget(fmt, cfg.max_turns, cfg.max_new_tokens))
         why = "; ".join(filter(None, ["rollouts: torch, multi-turn episodes", self.setup.describe]))
-        return Plan(longest, trajectory, "torch", why)
+        return Plan(longest, trajectory, "torch", why, extra_bytes=self.setup.memory)
 
     def _process_reward(self) -> Callable[[dict], float]:
         """The user's process reward, called once on a fresh episode's state, so that one that cannot be imported,
@@ -155,7 +155,7 @@ class Episodes(Sampler):
                 progress(i, len(tasks))
             chunk = tasks[i:i + batch_size]
             ended = None if items is None else (lambda finished, i=i: items(i + finished, len(tasks)))
-            out = run_episodes(model, tok, lambda: setup.make_env(task_list(chunk)), list(range(len(chunk))), 1,
+            out = run_episodes(model, tok, lambda: setup.eval_env(task_list(chunk)), list(range(len(chunk))), 1,
                                cfg.max_new_tokens, stops, 0.0, None, context, cfg.env_workers,
                                system(setup.system), ended)
             for task, episode in zip(chunk, out.episodes):
