@@ -92,11 +92,13 @@ def test_fidelity_is_total_for_the_sandbox_and_low_for_a_world_where_nothing_hap
     tasks = held_out_tasks(15)
     perfect = fidelity(SandboxWorld(), tasks)
     assert all(perfect["all"][k] == 1.0 for k in ("output", "files", "final_files", "reward"))
+    assert perfect["all"]["overrated"] == perfect["all"]["underrated"] == 0.0
     assert perfect["all"]["episodes"] == 30 and set(perfect) == {"count", "csv", "edit", "files", "multi", "all"}
     idle = fidelity(NOTHING_HAPPENS, tasks)
     assert idle["count"]["output"] == 0.0  # every count prints a number
     assert idle["edit"]["final_files"] <= 0.5  # every expert edit changes a file (a careless sed without -i not)
     assert 0.0 < idle["all"]["reward"] < 1.0  # a wrong answer and no change agree with some careless episodes
+    assert idle["all"]["overrated"] == 0.0 < idle["all"]["underrated"]  # nothing done never scores above the truth
 
 
 def test_an_unreadable_reply_is_counted_and_shown_once_and_the_episode_goes_on(capsys):
@@ -188,12 +190,16 @@ def test_a_world_model_served_by_localrl_serve_is_the_environment(served_world, 
 
 
 @pytest.mark.slow
-def test_a_served_model_that_is_no_world_model_is_one_line(builtin_model, tmp_path_factory, tmp_path):
+def test_a_served_model_that_is_no_world_model_is_one_line(tmp_path_factory, tmp_path):
+    """The built-in agent, served (with room for the question and a whole reply), answers a world question with its
+    own kind of text: the run stops before anything is written, naming the format."""
+    from localrl.models import builtin_path
     from localrl.quant.export import export
 
-    gguf = tmp_path_factory.mktemp("arith-gguf") / "tiny-arith.gguf"
-    export(builtin_model, gguf, "f16", check=False, log=lambda *_: None)
-    for base, _ in serving(gguf, tmp_path_factory.mktemp("serve")):
+    gguf = tmp_path_factory.mktemp("agent-gguf") / "tiny-shell.gguf"
+    export(builtin_path("tiny-shell"), gguf, "f16", check=False, log=lambda *_: None)
+    for base, _ in serving(gguf, tmp_path_factory.mktemp("serve"), "--n-ctx", "1024"):
         with pytest.raises(UserError, match=r"^config field env: world model http.*: its reply to a first question "
                                             r"\(.*\) is not in the world format"):
             train(small(tmp_path / "run", env=f"world:{base}", steps=1), **QUIET)
+        assert not (tmp_path / "run").exists()
