@@ -98,8 +98,7 @@ class WorldEnv:
         reply = self.world.ask(self.tree, command)
         if reply is None:
             self.stats.counts["world_failed"] += 1
-            self.warn(f"no reply ({getattr(self.world, 'last_error', '') or 'the question does not fit its context'})",
-                      None)
+            self.warn(f"no reply ({why_none(self.world)})", None)
             return NO_REPLY
         try:
             observation, written, removed = parse_answer(reply)
@@ -125,6 +124,11 @@ class WorldEnv:
         pass
 
 
+def why_none(world: WorldModel) -> str:
+    """Why ``world`` gave no reply: its endpoint's last error, else the only other cause."""
+    return getattr(world, "last_error", "") or "the question does not fit its context"
+
+
 def probe(world: WorldModel, task: ShellTask) -> None:
     """Ask ``world`` about the first command of ``task``'s expert solution: a reply that does not come or cannot
     be read stops the run in one line."""
@@ -133,8 +137,7 @@ def probe(world: WorldModel, task: ShellTask) -> None:
     reply = world.ask(tree, command)
     where = f"config field env: world model {world.name}"
     if reply is None:
-        why = getattr(world, "last_error", "") or "the question does not fit its context"
-        raise UserError(f"{where}: no reply to a first question ({why})", field="env")
+        raise UserError(f"{where}: no reply to a first question ({why_none(world)})", field="env")
     try:
         parse_answer(reply)
     except WorldReplyError as e:
@@ -142,20 +145,12 @@ def probe(world: WorldModel, task: ShellTask) -> None:
                         f"(reply {reply[:80]!r})", field="env") from None
 
 
-def check_world_settings(cfg) -> None:
-    from localrl.config import check_fields
-
-    world = environments.argument(cfg.env) != ""
-    check_fields(cfg, [("process_reward", not (world and cfg.process_reward),
-                        "reads a real working directory; env world simulates one")])
-
-
 # the shell's preset; every episode's question at once (threads waiting on the world model cost nothing), so that a
 # torch world model answers a round of turns in one batch
 WORLD_PRESET = {**SHELL_PRESET, "env_workers": 64}
 
 
-@environments.register("world", preset=WORLD_PRESET, check=check_world_settings, argument="SOURCE")
+@environments.register("world", preset=WORLD_PRESET, argument="SOURCE")
 def world_environment(cfg) -> EnvSetup:
     """The shell's built-in tasks and held-out set, simulated by the world model the env's SOURCE names; the
     held-out evaluation in the real sandbox."""
