@@ -87,22 +87,12 @@ class ShellEnv:
     def step(self, action: str) -> tuple[str, bool]:
         if self.sandbox is None:
             raise RuntimeError("step() before reset()")
-        self.stats.turns += 1
-        commands = parse_tool_calls(action)
-        if commands:
-            self.stats.tool_calls += 1
-            self.stats.commands.append(commands[0])
-            result = self.sandbox.run(commands[0])
-            self.stats.sandbox_seconds += result.seconds
-            observation = result.describe(echo=False)  # the model wrote the command: only what it printed
-        elif "<tool_call>" in action:
-            self.stats.invalid_calls += 1
-            observation = ('error: not a valid tool call; write exactly '
-                           '<tool_call>{"name": "shell", "arguments": {"command": "..."}}</tool_call>')
-        else:
-            self.final_text, self.stats.answered = action, True
-            return "", True
-        return observation, self.stats.turns >= self.max_turns
+        return take_turn(self, action, self._run)
+
+    def _run(self, command: str) -> str:
+        result = self.sandbox.run(command)
+        self.stats.sandbox_seconds += result.seconds
+        return result.describe(echo=False)  # the model wrote the command: only what it printed
 
     def reward(self) -> float:
         if self.task is None or self.workdir is None:
@@ -136,6 +126,26 @@ class ShellEnv:
         if self.workdir is not None:
             self._cleanup()
         self.workdir = self.sandbox = None
+
+
+def take_turn(env, action: str, run: Callable[[str], str]) -> tuple[str, bool]:
+    """One turn of the shell's protocol on ``env`` (its ``stats``, ``max_turns``, ``final_text``): a tool call's
+    command goes to ``run`` (command -> observation), a bad tool call is told what was wrong, anything else is the
+    final answer and ends the episode."""
+    env.stats.turns += 1
+    commands = parse_tool_calls(action)
+    if commands:
+        env.stats.tool_calls += 1
+        env.stats.commands.append(commands[0])
+        observation = run(commands[0])
+    elif "<tool_call>" in action:
+        env.stats.invalid_calls += 1
+        observation = ('error: not a valid tool call; write exactly '
+                       '<tool_call>{"name": "shell", "arguments": {"command": "..."}}</tool_call>')
+    else:
+        env.final_text, env.stats.answered = action, True
+        return "", True
+    return observation, env.stats.turns >= env.max_turns
 
 
 def disarm(root: Path) -> None:

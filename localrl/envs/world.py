@@ -27,9 +27,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments
-from localrl.envs.shell import SHELL_PRESET, EpisodeStats, TaskSource, shell_environment
+from localrl.envs.shell import SHELL_PRESET, EpisodeStats, TaskSource, shell_environment, take_turn
 from localrl.envs.shell_tasks import ShellTask
 from localrl.envs.world_format import Tree, WorldReplyError, apply, parse_answer, write_tree
 from localrl.envs.world_models import WorldModel, open_world_model
@@ -79,20 +78,7 @@ class WorldEnv:
     def step(self, action: str) -> tuple[str, bool]:
         if self.task is None:
             raise RuntimeError("step() before reset()")
-        self.stats.turns += 1
-        commands = parse_tool_calls(action)
-        if commands:
-            self.stats.tool_calls += 1
-            self.stats.commands.append(commands[0])
-            observation = self._simulate(commands[0])
-        elif "<tool_call>" in action:
-            self.stats.invalid_calls += 1
-            observation = ('error: not a valid tool call; write exactly '
-                           '<tool_call>{"name": "shell", "arguments": {"command": "..."}}</tool_call>')
-        else:
-            self.final_text, self.stats.answered = action, True
-            return "", True
-        return observation, self.stats.turns >= self.max_turns
+        return take_turn(self, action, self._simulate)
 
     def _simulate(self, command: str) -> str:
         reply = self.world.ask(self.tree, command)
