@@ -22,9 +22,10 @@ def atomic_dir(final: Path, fsync: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         if fsync:
-            for f in tmp.iterdir():
-                with f.open("rb") as fh:
-                    os.fsync(fh.fileno())
+            for f in sorted(tmp.rglob("*")):
+                if f.is_file():
+                    with f.open("rb") as fh:
+                        os.fsync(fh.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)

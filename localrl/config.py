@@ -247,7 +247,9 @@ class TrainConfig:
                       "fix), 'shell_person' (the same tasks, rewarded also by a person learned from "
                       "person_sessions), 'world:SOURCE' (the same tasks in a shell simulated by the world model "
                       "SOURCE: tiny-shell-world, a model, run or GGUF, or an endpoint URL|MODEL; held out in the real "
-                      "sandbox); empty: train on the data's prompts")
+                      "sandbox), 'secret_keeping' (red-teaming self-play: an attacker adapter tries to make a defender "
+                      "adapter of the same model reveal a password; held out on a fixed attack set); empty: train on "
+                      "the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
     env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
@@ -266,6 +268,11 @@ class TrainConfig:
     mask_truncated_completions: bool = _f(False, "leave episodes that never answered (turn or context limit) out "
                                                  "of the loss, as TRL's option does; they still count in their "
                                                  "group's advantages")
+    # two-policy games: the self-play sampler (samplers/self_play.py)
+    self_play_round: int = _f(1, "self-play: steps each player trains before the other does (the first player, the "
+                                 "attacker, first)")
+    turn_tokens: int = _f(48, "self-play: the first player's turn (the attack), in tokens; the reply has "
+                              "max_new_tokens")
     # evaluation, checkpoints, the run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")

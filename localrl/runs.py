@@ -394,13 +394,14 @@ def load_adapter_weights(model, source: Path) -> None:
                         f"were its lora_targets the same?)", field="init_adapter") from None
 
 
-def _set_adapter(model, weights: dict) -> None:
+def _set_adapter(model, weights: dict, name: str = "default") -> None:
+    """Set the LoRA weights of ``model``'s adapter ``name`` (PEFT's; the run's own is "default") to ``weights``."""
     from peft import set_peft_model_state_dict
 
-    expected = {k for k in model.state_dict() if "lora_" in k}
+    expected = {k for k in model.state_dict() if "lora_" in k and f".{name}." in k}
     if not weights or len(weights) != len(expected):
-        raise ValueError(f"{len(weights)} adapter tensors, the model has {len(expected)}")
-    result = set_peft_model_state_dict(model, weights)
+        raise ValueError(f"{len(weights)} adapter tensors, the model's adapter {name} has {len(expected)}")
+    result = set_peft_model_state_dict(model, weights, adapter_name=name)
     if result.unexpected_keys:
         raise ValueError(f"unexpected adapter keys {result.unexpected_keys[:3]}")
 
@@ -426,9 +427,13 @@ def _load_checkpoint(ckpt: Path, model, optimizer, run_state: dict | None = None
     from safetensors.torch import load_file
 
     try:
-        weights = load_file(str(ckpt / ADAPTER_FILE))
+        # every adapter the model has (self-play's second one too), saved as PEFT saves them: the run's own at the
+        # top, any other in a folder of its name
+        adapters = {name: load_file(str((ckpt if name == "default" else ckpt / name) / ADAPTER_FILE))
+                    for name in getattr(model, "peft_config", None) or ["default"]}
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-        _set_adapter(model, weights)
+        for name, weights in adapters.items():
+            _set_adapter(model, weights, name)
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:  # a damaged file must stop resume with one line, not a traceback
         raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None

@@ -34,7 +34,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("device", "tpu", "config field device"),
     ("group_size", "eight", "config field group_size: expected int, got 'eight'"),
     ("quantize", "maybe", "config field quantize: must be auto, nf4 or none"),
-    ("env", "gym", "config field env: must be empty or one of shell"),
+    ("env", "gym", "config field env: must be empty or one of secret_keeping, shell, "),
     ("isolation", "chroot", "config field isolation: must be one of auto, bwrap"),
     ("env_tasks", "tasks.jsonl", "config field env_tasks: needs env = 'shell'"),
     ("max_turns", "0", "config field max_turns: must be at least 1"),

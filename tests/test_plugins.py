@@ -164,7 +164,7 @@ def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, ca
     assert "config field objective: 'nope' is not a known objective (one of answers, contrastive_grpo, dpo, experience, grpo" in err
     assert not (tmp_path / "r").exists()
     assert main(["train", "--env", "nope", "--run-dir", str(tmp_path / "r")]) == 2
-    assert "config field env: must be empty or one of letters, shell" in capsys.readouterr().err
+    assert "config field env: must be empty or one of letters, secret_keeping, shell" in capsys.readouterr().err
 
 
 def test_a_plugin_that_takes_an_argument_is_named_name_colon_argument():

@@ -43,9 +43,13 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
               f"no completion stated a confidence: {args.reliability} not written")
     if "families" in result:
         for family, r in result["families"].items():
-            print(f"  {family:<6} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
-                  f"({r['n']} tasks)")
+            print(f"  {family:<12} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
+                  f"({r['n']} {'attacks' if 'attack_success' in result else 'tasks'})")
         for i, sample in enumerate(result["samples"], 1):
+            if "reply" in sample:  # a game's: the fixed first turn and the evaluated player's reply
+                print(f"\n[{i}] {sample['family']}: {one_line(sample['turn'])}  (reward {sample['reward']:g})\n"
+                      f"    reply: {one_line(sample['reply'])}")
+                continue
             print(f"\n[{i}] {sample['family']} level {sample['level']}: {sample['task']}  (reward {sample['reward']:g})")
             for turn, observation in zip(sample["turns"], sample["observations"] + [""]):
                 print(f"    agent: {one_line(turn)}")

@@ -40,6 +40,8 @@ def before_after_line(before: dict, after: dict, env: bool) -> str:
     items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
     if "logp_accuracy" in after:  # preference pairs
         what, items, how = "preference accuracy", "pairs", "implicit reward"
+    if "attack_success" in after:  # a two-policy game: its second player's replies to fixed first turns
+        what, items, how = "defended", "attacks", "greedy replies"
     if before["n"] == after["n"]:
         delta = 100 * (after["accuracy"] - before["accuracy"])
         return (f"held-out {what} ({after['n']} {items}, {how}): "

@@ -20,6 +20,9 @@ An environment is a plug-in, registered by name (``--env NAME``) or named as
 task source, held-out tasks, a factory of episodes, the system message, what each step record
 carries). The sandboxed shell (``localrl.envs.shell``) is one such registration; its tasks
 (``shell_tasks``) and the sandbox under it (``sandbox``, ``confine``, ``cgroups``) live beside it.
+
+A two-policy game is registered the same way as a ``Game`` subclass (the secret-keeping game,
+``localrl.envs.secret_keeping``): the self-play sampler plays it, not the episodes one.
 """
 
 from __future__ import annotations
@@ -67,6 +70,53 @@ class EnvSetup:
     def eval_env(self, tasks: TaskSource) -> Environment:
         """An environment for held-out episodes (a simulated environment's are played in the real one)."""
         return (self.evaluate or self.factory)(tasks)
+
+
+class Game:
+    """A two-policy game, registered as an environment (``--env NAME``) and played by the self-play sampler
+    (``localrl.samplers.self_play``): the first player writes the second's user turn, the second replies, and the
+    game scores both players from the reply. Each player is an adapter of its own on the one base.
+
+    A game's setting is a dict (its seed decides it); ``held_out`` are settings with a fixed first turn
+    (``"turn"``, and a ``"family"`` for a per-family report), the second player's held-out evaluation."""
+
+    players: tuple[str, str] = ("first", "second")
+    held_out_name: str = ""  # the held-out set's name and version (the evaluation records it)
+    system: str | None = None  # (the two players' messages carry their own)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def setting(self, seed: int) -> dict:
+        raise NotImplementedError
+
+    def first_messages(self, setting: dict) -> list[dict]:
+        """The first player's chat messages, to which its turn is the reply."""
+        raise NotImplementedError
+
+    def second_messages(self, setting: dict, turn: str) -> list[dict]:
+        """The second player's chat messages, ``turn`` (the first player's) among them."""
+        raise NotImplementedError
+
+    def outcome(self, setting: dict, turn: str, reply: str) -> dict:
+        """The game's verdict on a reply: {"rewards": (first's, second's), and the game's own figures, each in [0, 1]}."""
+        raise NotImplementedError
+
+    @property
+    def held_out(self) -> list[dict]:
+        return []
+
+
+def is_game(name: str) -> bool:
+    """Whether the environment ``name`` is a two-policy ``Game`` (one that does not resolve is not: the episodes
+    sampler then says why in one line)."""
+    from localrl.errors import UserError
+
+    try:
+        plugin = environments.get(name)
+    except UserError:
+        return False
+    return isinstance(plugin, type) and issubclass(plugin, Game)
 
 
 def task_list(tasks: Sequence[Any]) -> TaskSource:

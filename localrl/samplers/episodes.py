@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from localrl.config import FIELDS, check_fields
-from localrl.envs import EnvSetup, environment_for, task_list, task_seeds
+from localrl.envs import EnvSetup, environment_for, is_game, task_list, task_seeds
 from localrl.errors import UserError, failure_line, user_callable
 from localrl.generation.agent_rollout import TurnFormat, run_episodes, trajectory_budget
 from localrl.metrics import item_progress
@@ -40,11 +40,11 @@ class Episodes(Sampler):
 
     @classmethod
     def selects(cls, cfg) -> bool:
-        return bool(cfg.env)
+        return bool(cfg.env) and not is_game(cfg.env)  # (a two-policy game is self-play's)
 
     @staticmethod
     def check_settings(cfg) -> None:
-        episodes = bool(cfg.env)
+        episodes = bool(cfg.env)  # (the data fields and the rollout backend: a game's too)
         check_fields(cfg, [
             *[(name, not episodes or getattr(cfg, name) == FIELDS[name].default,
                "is for single-turn prompts; an environment's tasks come from env_tasks") for name in DATA_FIELDS],
