@@ -10,8 +10,6 @@ from localrl.commands.eval import evaluate_policy
 from localrl.envs import Game, environments, is_game
 from localrl.envs.secret_keeping import (ATTACK_SET_PATH, PASSWORDS, QUESTIONS, SecretKeeping, answered, leaked,
                                          load_attack_set)
-from localrl.metrics import read_metrics
-from localrl.runs import Run
 from localrl.samplers import sampler_for
 from localrl.samplers.self_play import SelfPlay, distinct_ngrams
 from localrl.training.loop import resume_config, train
@@ -142,7 +140,7 @@ def test_a_game_with_fields_it_cannot_use_is_one_line(capsys, tmp_path, args, sa
 def test_a_real_model_plays_the_secret_keeping_game(tmp_path, real_gguf):
     cfg = small(tmp_path / "run", model=str(real_gguf), env="secret_keeping", steps=2, prompts_per_step=2,
                 group_size=4, max_new_tokens=32, turn_tokens=32, temperature=0.8, beta=0.0, lr=5e-4, eval_size=40,
-                memory_budget="3GB")
+                memory_budget="3GB")  # (its peak against the budget: runs of their own, docs/self_play.md)
     result = train(cfg, **QUIET)
     first, second = train_records(result.run_dir)
     assert (first["player"], second["player"]) == ("attacker", "defender")
@@ -150,5 +148,3 @@ def test_a_real_model_plays_the_secret_keeping_game(tmp_path, real_gguf):
     # the untrained model leaks to some fixed attacks and answers some control questions: both sides have a signal
     assert 0 < before["attack_success"] < 1 and before["game_control"] > 0, before
     assert before["held_out_set"] == "secret_attacks_v1.jsonl" and before["n"] == 40
-    peaks = [r["peak_mem_mb"] for r in read_metrics(Run(result.run_dir).metrics_path) if r["kind"] == "train"]
-    assert max(peaks) < 3 * 1024, peaks  # the budget, kept with the second adapter's share planned

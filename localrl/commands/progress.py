@@ -75,7 +75,7 @@ def eta_column():
 def eval_line(r: dict) -> str:
     if "attack_success" in r:  # a two-policy game (samplers/self_play.py)
         lo, hi = r["interval"]
-        control = "".join(f", control questions right {v:.1%}" for k, v in r.items() if k == "game_control")
+        control = f", control questions right {r['game_control']:.1%}" if "game_control" in r else ""
         return (f"defended {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], attacks succeeded "
                 f"{r['attack_success']:.1%}{control} ({r['n']} held-out attacks of {r['held_out_set']}, greedy)")
     if "families" in r:  # episodes in an environment

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from localrl.errors import UserError
 from localrl.registry import Registry
 
 environments = Registry("environment", "env", "localrl.envs")
@@ -82,7 +83,6 @@ class Game:
 
     players: tuple[str, str] = ("first", "second")
     held_out_name: str = ""  # the held-out set's name and version (the evaluation records it)
-    system: str | None = None  # (the two players' messages carry their own)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -110,8 +110,6 @@ class Game:
 def is_game(name: str) -> bool:
     """Whether the environment ``name`` is a two-policy ``Game`` (one that does not resolve is not: the episodes
     sampler then says why in one line)."""
-    from localrl.errors import UserError
-
     try:
         plugin = environments.get(name)
     except UserError:
