@@ -181,9 +181,7 @@ class Episodes(Sampler):
             "turns": turns / max(n, 1),
             "tool_calls": calls / max(n, 1),
             "invalid_calls": invalid / max(n, 1),
-            "families": {f: {"success": sum(r == 1.0 for r in rs) / len(rs),
-                             "interval": wilson(sum(r == 1.0 for r in rs), len(rs)), "n": len(rs)}
-                         for f, rs in sorted(by_family.items())},
+            "families": family_success(by_family),
         }
         return {**result, "samples": shown} if samples else result
 
@@ -199,6 +197,12 @@ def process_value(fn: Callable[[dict], float], env, name: str) -> float:
     if not math.isfinite(value):
         raise UserError(f"process reward {name} returned {value}", field="process_reward")
     return value
+
+
+def family_success(by_family: dict[str, list[float]]) -> dict[str, dict]:
+    """Per family, of its rewards: the success rate (reward 1), its 95% Wilson interval and the count."""
+    return {f: {"success": sum(r == 1.0 for r in rs) / len(rs), "interval": wilson(sum(r == 1.0 for r in rs), len(rs)),
+                "n": len(rs)} for f, rs in sorted(by_family.items())}
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -36,7 +36,7 @@ from localrl.errors import UserError
 from localrl.generation.rollout import (Rollout, decode_completions, encode_prompts, group_generators, sample_groups,
                                         sample_in_chunks)
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
-from localrl.samplers.episodes import wilson
+from localrl.samplers.episodes import family_success, wilson
 
 FIRST = "attacker"  # the PEFT adapter of the first player (the second's is the run's own, "default")
 SECOND = "default"
@@ -66,7 +66,6 @@ class SelfPlay(Sampler):
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)
         self.game: Game | None = None
-        self.context = 2048
 
     @classmethod
     def selects(cls, cfg) -> bool:
@@ -99,15 +98,15 @@ class SelfPlay(Sampler):
         self.game = environment_for(cfg)
         if info is None:
             return Plan(0, cfg.max_new_tokens)
-        tok, self.context = info.tok, info.context or 2048
+        tok, context = info.tok, info.context or 2048
         held = [self._prompt(tok, self.game.second_messages(s, s["turn"])) for s in self.game.held_out]
         widest = max((self._prompt(tok, self.game.second_messages(self.game.setting(seed), "")) for seed in range(64)),
                      key=len)
         longest = max([len(widest) + cfg.turn_tokens, *map(len, held)])
-        if longest + cfg.max_new_tokens > self.context:
+        if longest + cfg.max_new_tokens > context:
             raise UserError(f"config field max_new_tokens: the {cfg.env} game's replies are prompted with up to "
                             f"{longest} tokens (turn_tokens {cfg.turn_tokens}); with max_new_tokens "
-                            f"{cfg.max_new_tokens} they do not fit the model's context of {self.context} tokens",
+                            f"{cfg.max_new_tokens} they do not fit the model's context of {context} tokens",
                             field="max_new_tokens")
         from localrl.memory import ModelShape
 
@@ -211,10 +210,8 @@ class SelfPlay(Sampler):
         n, won = len(wins), sum(w == 1.0 for w in wins)
         result = {"accuracy": won / max(n, 1), "interval": wilson(won, n), "reward_mean": sum(wins) / max(n, 1),
                   "n": n, **game_figures(outcomes),
-                  "held_out_set": getattr(game, "held_out_name", ""),
-                  "families": {f: {"success": sum(w == 1.0 for w in ws) / len(ws),
-                                   "interval": wilson(sum(w == 1.0 for w in ws), len(ws)), "n": len(ws)}
-                               for f, ws in sorted(by_family.items())}}
+                  "held_out_set": game.held_out_name,
+                  "families": family_success(by_family)}
         if samples:
             result["samples"] = [{"turn": r["turn"], "family": r.get("family", "all"), "reply": reply,
                                   "reward": o["rewards"][1]}
