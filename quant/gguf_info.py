@@ -2,7 +2,7 @@
 and which context length it was trained for.
 
 llama.cpp reports a damaged file deep inside its loader (or crashes); reading the header
-with gguf-py first turns a wrong, truncated or foreign file into one line naming it.
+first turns a wrong, truncated or foreign file into one line naming it.
 """
 
 from __future__ import annotations
@@ -34,36 +34,132 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
         raise UserError(f"model {p}: cannot be read ({e.strerror})") from None
     if magic != b"GGUF":
         raise UserError(f"model {p}: not a GGUF file")
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(p)
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-        arch = str(reader.fields["general.architecture"].contents())
-        ctx_field = reader.fields.get(f"{arch}.context_length")
-        sizes = _sizes(reader, arch)
-        name_field = reader.fields.get("general.name")
-        name = str(name_field.contents()) if name_field is not None else ""
-    except Exception as e:  # gguf-py raises several kinds on damaged headers
+        header = read_header(p)
+        arch = str(header.fields["general.architecture"])
+    except Exception as e:  # struct, unicode and key errors on damaged headers
         raise UserError(f"model {p}: damaged or truncated GGUF ({_first_line(e)})") from None
-    if end > p.stat().st_size:
-        raise UserError(f"model {p}: truncated GGUF ({p.stat().st_size} bytes, its tensors need {end})")
-    return GGUFInfo(p, arch, int(ctx_field.contents()) if ctx_field is not None else None, sizes, name)
+    size = p.stat().st_size
+    if header.end > size:
+        raise UserError(f"model {p}: truncated GGUF ({size} bytes, its tensors need {header.end})")
+    context = header.fields.get(f"{arch}.context_length")
+    return GGUFInfo(p, arch, int(context) if context is not None else None, _sizes(header, arch),
+                    str(header.fields.get("general.name", "")))
 
 
-def _sizes(reader, arch: str) -> dict:
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF's key-value pairs and tensor table as the file states them. Arrays (the vocabulary, the merges) are
+    stepped over, their lengths kept: gguf-py's reader builds a numpy view per element, seconds for a vocabulary
+    of 50-150k tokens, and the header is read on every start."""
+
+    fields: dict  # key -> scalar value (int, float, bool or str)
+    array_lengths: dict  # key -> number of elements
+    tensors: dict  # name -> (shape as stored, ggml type id, first byte in the file, size in bytes)
+
+    @property
+    def end(self) -> int:
+        """The byte after the last tensor's data: the least size of a whole file."""
+        return max((first + n for _, _, first, n in self.tensors.values()), default=0)
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """The header of the GGUF file at ``path`` (versions 2 and 3, either byte order), from its bytes alone; raises
+    ValueError or struct.error on a damaged or truncated header."""
+    import mmap
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+        version = struct.unpack_from(order + "I", buf, 4)[0]
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        pos = 8
+
+        def take(fmt: str) -> tuple:
+            nonlocal pos
+            values = struct.unpack_from(order + fmt, buf, pos)
+            pos += struct.calcsize(order + fmt)
+            return values
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = take("Q")
+            if pos + n > len(buf):
+                raise ValueError("a string runs past the end of the file")
+            pos += n
+            return buf[pos - n:pos].decode("utf-8")
+
+        def skip_array(item: int, n: int) -> None:
+            nonlocal pos
+            if item == _STRING:
+                length = struct.Struct(order + "Q")
+                for _ in range(n):
+                    pos += 8 + length.unpack_from(buf, pos)[0]
+            elif item in _SCALARS:
+                pos += n * struct.calcsize(order + _SCALARS[item])
+            else:
+                raise ValueError(f"an array of value type {item}")
+
+        tensor_count, kv_count = take("QQ")
+        fields, arrays = {}, {}
+        for _ in range(kv_count):
+            key = string()
+            (kind,) = take("I")
+            if kind == _ARRAY:
+                item, arrays[key] = take("IQ")
+                skip_array(item, arrays[key])
+            elif kind == _STRING:
+                fields[key] = string()
+            elif kind in _SCALARS:
+                fields[key] = take(_SCALARS[kind])[0]
+            else:
+                raise ValueError(f"{key} has value type {kind}")
+        table = []
+        for _ in range(tensor_count):
+            name = string()
+            (n_dims,) = take("I")
+            dims = take(f"{n_dims}Q")
+            kind, offset = take("IQ")
+            table.append((name, dims, kind, offset))
+        if pos > len(buf):
+            raise ValueError("the tensor table runs past the end of the file")
+    alignment = fields.get("general.alignment", 32)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment} is not a power of two")
+    data = pos + (-pos % alignment)
+    tensors = {}
+    for name, dims, kind, offset in table:
+        if name in tensors:
+            raise ValueError(f"tensor {name} appears twice")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        elements = 1
+        for d in dims:
+            elements *= d
+        tensors[name] = (dims, kind, data + offset, elements * type_size // block)
+    return GGUFHeader(fields, arrays, tensors)
+
+
+def _sizes(header: GGUFHeader, arch: str) -> dict:
     """The model's sizes under their config.json names (absent keys are left out)."""
     def get(key):
-        field = reader.fields.get(f"{arch}.{key}")
-        return int(field.contents()) if field is not None else None
+        value = header.fields.get(f"{arch}.{key}")
+        return int(value) if value is not None else None
 
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
     sizes = {"hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
              "num_attention_heads": get("attention.head_count"),
              "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
              "intermediate_size": get("feed_forward_length"),
-             "vocab_size": get("vocab_size") or (len(tokens.data) if tokens is not None else None),
-             "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+             "vocab_size": get("vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens"),
+             "tie_word_embeddings": "output.weight" not in header.tensors}
     return {k: v for k, v in sizes.items() if v is not None}
 
 

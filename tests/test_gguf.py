@@ -367,3 +367,44 @@ def test_export_records_each_phase_and_its_resident_peak(builtin_model, tmp_path
     result = export(builtin_model, tmp_path / "x.gguf", "q8_0", log=lambda *_: None)
     assert list(result.seconds) == ["load", "write", "validate f16", "quantise", "validate"] == list(result.peaks)
     assert all(2**27 < peak < 2**33 for peak in result.peaks.values())  # the whole process, libraries included
+
+
+def _header_as_gguf_py_reads_it(path):
+    """Every key-value pair, array length and tensor of ``path`` as gguf-py's own reader gives them."""
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arrays = {k: len(f.data) for k, f in fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY}
+    scalars = {k: f.contents() for k, f in fields.items() if k not in arrays}
+    tensors = {t.name: (tuple(t.shape.tolist()), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+               for t in reader.tensors}
+    return scalars, arrays, tensors
+
+
+def _agrees_with_gguf_py(path):
+    from localrl.quant.gguf_info import read_header
+
+    header = read_header(path)
+    assert (header.fields, header.array_lengths, header.tensors) == _header_as_gguf_py_reads_it(path)
+
+
+@pytest.mark.parametrize("name, quant", [("qwen2-tied", "f16"), ("llama-spm", "q8_0"), ("mistral-spm-chatml", "q4_0")])
+def test_the_header_reader_agrees_with_gguf_py(bpe_models, tmp_path, name, quant):
+    _agrees_with_gguf_py(export(bpe_models[name], tmp_path / "x.gguf", quant, check=False, log=lambda *_: None).path)
+
+
+@pytest.mark.real
+def test_the_header_reader_agrees_with_gguf_py_on_the_real_model(real_gguf):
+    _agrees_with_gguf_py(real_gguf)
+
+
+def test_a_gguf_cut_anywhere_is_one_error_naming_it(bpe_models, tmp_path):
+    from localrl.quant.gguf_info import read_gguf_info, read_header
+
+    data = export(bpe_models["llama-spm"], tmp_path / "x.gguf", check=False, log=lambda *_: None).path.read_bytes()
+    header_end = min(first for _, _, first, _ in read_header(tmp_path / "x.gguf").tensors.values())
+    cut = tmp_path / "cut.gguf"
+    for size in sorted({5, 12, 30, 100, *range(200, header_end, max(header_end // 40, 1)), header_end + 1,
+                        len(data) - 1}):
+        cut.write_bytes(data[:size])
+        with pytest.raises(UserError, match=f"model {cut}: (damaged or )?truncated GGUF"):
+            read_gguf_info(cut)
