@@ -26,7 +26,7 @@ from pathlib import Path
 
 from localrl.atomic import atomic_dir
 from localrl.errors import UserError
-from localrl.quant.gguf_info import read_gguf_info
+from localrl.quant.gguf_info import read_gguf_info, read_header
 
 OLLAMA_PREFIX = "ollama:"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -145,10 +145,8 @@ def _convert(path: Path, out: Path, log) -> None:
 
 
 def read_gguf_pre(path: Path) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("tokenizer.ggml.pre")
-    return str(field.contents()) if field is not None else None
+    pre = read_header(path).fields.get("tokenizer.ggml.pre")
+    return str(pre) if pre is not None else None
 
 
 def _fix_pre_tokenizer(tok, pre: str | None) -> None:
