@@ -7,6 +7,7 @@ first turns a wrong, truncated or foreign file into one line naming it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,10 +142,7 @@ def read_header(path: Path) -> GGUFHeader:
         if name in tensors:
             raise ValueError(f"tensor {name} appears twice")
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        elements = 1
-        for d in dims:
-            elements *= d
-        tensors[name] = (dims, kind, data + offset, elements * type_size // block)
+        tensors[name] = (dims, kind, data + offset, math.prod(dims) * type_size // block)
     return GGUFHeader(fields, arrays, tensors)
 
 
