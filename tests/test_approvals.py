@@ -5,17 +5,18 @@ import io
 
 import pytest
 
-from localrl.agent.approvals import Approvals, danger, simple_commands
+from localrl.agent.approvals import Approvals, danger
+from localrl.agent.bash_syntax import Unsure, simple_commands
 from localrl.agent.session import agent_system, run_agent, terminal_ask
 from tests.helpers import ScriptedModel, tool_call
 
 
 def test_lines_split_into_simple_commands():
-    assert simple_commands("ls -la; git status && wc -l a | sort\n echo 'a;b' &") == [
+    assert [c.words for c in simple_commands("ls -la; git status && wc -l a | sort\n echo 'a;b' &")] == [
         ["ls", "-la"], ["git", "status"], ["wc", "-l", "a"], ["sort"], ["echo", "a;b"]]
-    assert simple_commands("echo $(cat secret)") is None
-    assert simple_commands("echo `id`") is None
-    assert simple_commands("echo 'unclosed") is None
+    for opaque in ("echo $(cat secret)", "echo `id`", "echo 'unclosed"):
+        with pytest.raises(Unsure):
+            simple_commands(opaque)
 
 
 @pytest.mark.parametrize("line", ["sudo ls", "rm -rf /", "rm -r ~/notes", "rm -fr ../x", "rm ../x -r",

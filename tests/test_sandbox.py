@@ -470,3 +470,150 @@ def test_every_attack_fails_for_an_unprivileged_caller_too():
     finally:
         shutil.rmtree(base, ignore_errors=True)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+# -- seccomp, decoded ---------------------------------------------------------------------------------------
+
+# Written here, not taken from confine.py: a syscall dropped from the module's list must fail this test.
+# (x86_64 numbers)
+MUST_BE_REFUSED = {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "mount": 165, "umount2": 166,
+                   "pivot_root": 155, "unshare": 272, "setns": 308, "io_uring_setup": 425, "io_uring_enter": 426,
+                   "bpf": 321, "keyctl": 250, "add_key": 248, "request_key": 249, "userfaultfd": 323,
+                   "perf_event_open": 298, "init_module": 175, "finit_module": 313, "delete_module": 176,
+                   "kexec_load": 246, "kexec_file_load": 320, "syslog": 103, "reboot": 169, "open_by_handle_at": 304,
+                   "fsopen": 430, "fsmount": 432, "move_mount": 429, "open_tree": 428, "swapon": 167, "acct": 163}
+ALLOWED = {"read": 0, "write": 1, "openat": 257, "execve": 59, "getpid": 39, "socketpair": 53}
+AF_INET, AF_UNIX, AF_VSOCK, AF_NETLINK = 2, 1, 40, 16
+X86_64 = 0xC000003E
+
+
+def run_filter(program: bytes, number: int, args=(0,) * 6, arch: int = X86_64) -> str:
+    """What a classic-BPF seccomp program answers for one call: "allow" or "errno N" (a small interpreter of
+    the instructions such a filter uses; any other instruction fails the test)."""
+    import struct as st
+
+    data = st.pack("=iIQ6Q", number, arch, 0, *args)  # struct seccomp_data: nr, arch, instruction_pointer, args
+    ops = [st.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = ops[pc]
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            acc = st.unpack_from("=I", data, k)[0]
+        elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
+            acc &= k
+        elif code in (0x15, 0x35, 0x45):  # JEQ, JGE, JSET
+            taken = acc == k if code == 0x15 else (acc >= k if code == 0x35 else bool(acc & k))
+            pc += jt if taken else jf
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return "allow" if k == 0x7FFF0000 else (f"errno {k & 0xFFFF}" if k >> 16 == 5 else f"ret {k:#x}")
+        else:
+            raise AssertionError(f"instruction {code:#x}")
+        pc += 1
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the numbers above are x86_64's")
+@pytest.mark.parametrize("no_sockets, no_metadata", [(False, False), (True, True), (True, False)])
+def test_the_seccomp_filter_refuses_what_this_test_lists(no_sockets, no_metadata):
+    from localrl.envs.confine import seccomp_program
+
+    program = seccomp_program(no_sockets, no_metadata)
+    for name, number in MUST_BE_REFUSED.items():
+        assert run_filter(program, number).startswith("errno"), name
+    for name, number in ALLOWED.items():
+        assert run_filter(program, number) == "allow", name
+    for domain in (AF_UNIX, AF_VSOCK):  # a host socket's path is reachable whatever the mounts
+        assert run_filter(program, 41, (domain, 1, 0, 0, 0, 0)).startswith("errno"), domain
+    assert run_filter(program, 41, (AF_INET, 1, 0, 0, 0, 0)) == ("errno 13" if no_sockets else "allow")
+    assert run_filter(program, 16, (0, 0x5412, 0, 0, 0, 0)).startswith("errno")  # TIOCSTI
+    assert run_filter(program, 56, (0x10000000, 0, 0, 0, 0, 0)).startswith("errno")  # clone(CLONE_NEWUSER)
+    assert run_filter(program, 90).startswith("errno") is no_metadata  # chmod
+    assert run_filter(program, 0, arch=0x40000003).startswith("errno")  # i386's ABI
+    assert run_filter(program, 0x40000000 + 1).startswith("errno")  # x32's
+
+
+PROBE = ("perl -MSocket -e '"
+         "sub says { my $r = shift; $r == -1 ? ($!+0) : \"ok\" } "
+         "print \"ptrace=\", says(syscall(101, 0, 0, 0, 0)), \"\\n\"; "  # PTRACE_TRACEME
+         "print \"vm_readv=\", says(syscall(310, $$, 0, 0, 0, 0, 0)), \"\\n\"; "
+         "print \"nnp=\", syscall(157, 39, 0, 0, 0, 0), \"\\n\"; "  # prctl(PR_GET_NO_NEW_PRIVS)
+         "for my $d (1, 40) { print \"socket$d=\", (socket(my $s, $d, 1, 0) ? \"ok\" : $!+0), \"\\n\" } "
+         "socket(my $u, PF_UNIX, SOCK_STREAM, 0) && connect($u, pack_sockaddr_un($ARGV[0])) && print \"CONNECTED\\n\"'")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or not os.path.exists("/usr/bin/perl"), reason="x86_64 and perl")
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_no_ptrace_no_unix_or_vsock_socket_and_no_new_privileges_at_every_level(tmp_path, level, user):
+    box = sandbox(tmp_path, level, user, timeout=20)
+    host = socket.socket(socket.AF_UNIX)
+    path = tmp_path / "host.sock"
+    host.bind(str(path))
+    host.listen(1)
+    path.chmod(0o777)
+    try:
+        result = box.run(f"{PROBE} {path}")
+    finally:
+        host.close()
+    said = dict(line.split("=", 1) for line in result.output.splitlines() if "=" in line)
+    assert said == {"ptrace": "1", "vm_readv": "1", "nnp": "1", "socket1": "13", "socket40": "13"}, result.output
+    assert "CONNECTED" not in result.output
+
+
+# -- the working directory's tree: any depth, any path length, nothing followed ---------------------------------
+
+DEEP = "mkdir -p $(printf 'a/%.0s' $(seq 1100))"  # deeper than Python's recursion limit
+
+
+def du_below(root: Path) -> int:
+    """Bytes allocated below ``root`` as coreutils' du counts them (fts: any depth), less ``root`` itself."""
+    whole = int(subprocess.run(["du", "-s", "-B1", str(root)], capture_output=True, text=True).stdout.split()[0])
+    return whole - os.lstat(root).st_blocks * 512
+
+
+def test_a_deep_tree_breaks_neither_the_step_nor_the_next_environment(tmp_path):
+    env = ShellEnv(task_list([generate(0, "count", 1)]), root=tmp_path)
+    env.reset(0)
+    workdir = env.workdir
+    observation, _ = env.step(expert_call(DEEP))
+    assert "exit code 0" in observation
+    assert disk_usage(workdir) == du_below(workdir) > 0  # every level counted, as du counts them
+    env.close()
+    assert not workdir.exists()
+    planted = tmp_path / "localrl-shell-999999999-x"  # a dead process's, or anyone's planted in /tmp
+    planted.mkdir()
+    subprocess.run(["bash", "-c", DEEP], cwd=planted, check=True)
+    ShellEnv(task_list([generate(0, "count", 1)]), root=tmp_path)  # its start-up sweep neither raises nor leaves it
+    assert not planted.exists()
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_paths_past_path_max_count_toward_the_quota(tmp_path, level):
+    name = "d" * 250
+    box = sandbox(tmp_path, level, "private", max_disk_bytes=4 * 2**20, timeout=20)
+    result = box.run(f"for i in $(seq 18); do mkdir {name} && cd {name} || exit 1; done; "
+                     "head -c 32M /dev/zero > f; sleep 2; echo FINISHED")
+    assert result.over_disk and "FINISHED" not in result.output, result.output
+
+
+def test_a_directory_swapped_for_a_link_mid_walk_is_neither_entered_nor_changed(tmp_path):
+    from localrl.envs.tree import allocated_bytes, walk
+
+    root, victim = tmp_path / "work", tmp_path / "victim"
+    for d in (root, root / "hidden", root / "swapped", victim):
+        d.mkdir()
+    (root / "hidden" / "kept").write_bytes(b"x" * 65536)
+    (victim / "host-secret").write_bytes(b"s" * 2**20)
+    (root / "hidden").chmod(0)  # made unreadable by the command (walked as its user, this is made readable again)
+    victim.chmod(0o700)
+    swapped = []
+
+    def swap(fd, name, st, depth):  # between the walk's look at "swapped" and its entering it
+        if not swapped:
+            os.rmdir(root / "swapped")
+            os.symlink(victim, root / "swapped")
+            swapped.append(name)
+
+    walk(root, swap)
+    assert (victim.stat().st_mode & 0o777) == 0o700  # no chmod through the link
+    size = allocated_bytes(root)
+    assert 65536 <= size < 2**20  # the hidden file counted, the host's not

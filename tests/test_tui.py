@@ -476,3 +476,28 @@ def test_an_emptied_numeric_field_is_an_error_not_a_default_run(tmp_path):
             assert screen.query_one("#field-steps").has_class("-invalid") and screen.proc is None
 
     run(go())
+
+
+def test_a_spoofed_command_is_shown_with_its_escapes_written_out_and_runs_as_approved(tmp_path):
+    from tests.test_visible import REAL, SPOOF
+
+    work = tmp_path / "work"
+    work.mkdir()
+
+    async def go():
+        app = LocalRLApp(model=ScriptedModel([SPOOF, "done"]), workdir=work, data_dir=tmp_path / "data")
+        async with app.run_test(size=SIZE) as pilot:
+            screen = await _agent_task(pilot, app, "list")
+            proposed = str(screen.query_one("#proposed").render())
+            box = screen.query_one("#command").value
+            reply = str(_assistant_messages(screen)[0]._body.render())
+            assert not (work / "HIDDEN").exists()
+            await pilot.click("#approve")
+            await _agent_done(pilot, screen)
+            return proposed, box, reply, screen.transcript
+
+    proposed, box, reply, transcript = run(go())
+    assert "ls -la; touch HIDDEN #\\x1b[30D\\x1b[K" in proposed and "WARNING" in proposed
+    assert box == "ls -la; touch HIDDEN #\\x1b[30D\\x1b[K" and "\x1b" not in reply and "\\x1b8\\x1b[J" in reply
+    assert (work / "HIDDEN").exists()  # approved as shown: the exact proposed bytes ran
+    assert next(e for e in transcript if e["role"] == "tool" and "command" in e)["command"] == REAL

@@ -37,6 +37,7 @@ from localrl.agent.tool_calls import parse_tool_calls, system_message, tool_resp
 from localrl.envs.sandbox import Sandbox
 from localrl.errors import UserError
 from localrl.tui.widgets import Message, save_record
+from localrl.visible import hidden_in_command, visible
 
 MAX_TURNS = 8  # model replies per task, so a model that never stops calling tools does stop
 
@@ -59,6 +60,7 @@ class AgentScreen(Screen):
         self._decided = threading.Event()
         self._decision: str | None = None  # the command to run, or None for a refusal
         self._remember: bool | None = None  # with the decision: remember its first word as allowed / denied
+        self._proposal: tuple[str, str] = ("", "")  # (the proposed command, as the edit box shows it)
         self.approvals: Approvals | None = None
         self._worker = None  # the agent loop of the current task
         self.approve_all = False  # mirrors the switch; the worker reads this, never the widget
@@ -75,10 +77,11 @@ class AgentScreen(Screen):
             yield Switch(False, id="approve-all")
             yield Label("Record")
             yield Switch(False, id="record")
-        yield Static("", id="agent-status")
+        yield Static("", id="agent-status", markup=False)
         yield VerticalScroll(id="transcript")
         with Vertical(id="approval"):
             yield Static("The model wants to run (edit it if you like):")
+            yield Static("", id="proposed", markup=False)  # the whole command, wrapped, every byte visible
             yield Input("", id="command", compact=True)
             with Horizontal():
                 yield Button("Approve", id="approve", variant="success", compact=True)
@@ -129,7 +132,7 @@ class AgentScreen(Screen):
         elif event.button.id.startswith("rate-"):
             self._write_episode(None if event.button.id == "rate-none" else int(event.button.id[len("rate-"):]))
         elif event.button.id in ("always", "never") and self.query_one("#approval").display:
-            command = self.query_one("#command", Input).value
+            command = self._edited_command()
             self._decide(command if event.button.id == "always" else None, remember=event.button.id == "always")
 
     def start(self, task: str) -> None:
@@ -158,7 +161,14 @@ class AgentScreen(Screen):
 
     def action_approve(self) -> None:
         if self.query_one("#approval").display:
-            self._decide(self.query_one("#command", Input).value)
+            self._decide(self._edited_command())
+
+    def _edited_command(self) -> str:
+        """What runs: the proposed command's exact text if the edit box still shows it as proposed (its hidden
+        characters written out), else what the person typed."""
+        proposed, shown = self._proposal
+        value = self.query_one("#command", Input).value
+        return proposed if value == shown else value
 
     def action_reject(self) -> None:
         if self.query_one("#approval").display:
@@ -199,7 +209,7 @@ class AgentScreen(Screen):
                 if episode is not None:
                     episode.turn(len(messages) - 2, commands[0], decision, None)
                 continue
-            self._call(self._set_status, f"running: {command}")
+            self._call(self._set_status, f"running: {visible(command, command=True)}")
             result = sandbox.run(command)
             self._call(self._add, "tool", result.describe(), {"command": command, "exit_code": result.exit_code,
                                                               "timed_out": result.timed_out})
@@ -254,8 +264,14 @@ class AgentScreen(Screen):
 
     def _show_approval(self, command: str) -> None:
         self.query_one("#approval").display = True
+        shown = visible(command, command=True)
+        hidden = hidden_in_command(command)
+        warning = (f"\nWARNING: this command holds characters that act on a terminal or cannot be seen, written out "
+                   f"here as {' '.join(hidden)}; they run as the characters they stand for") if hidden else ""
+        self.query_one("#proposed", Static).update(shown + warning)
+        self._proposal = (command, shown.replace("\n", "\\n"))
         box = self.query_one("#command", Input)
-        box.value = command
+        box.value = self._proposal[1]
         box.focus()
         self._set_status("waiting for approval")
 

@@ -18,6 +18,7 @@ from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Sparkline, Static
 
 from localrl.atomic import write_text_atomic
+from localrl.visible import visible
 
 REDRAW_INTERVAL = 1 / 20  # seconds between redraws of streaming text and charts
 
@@ -109,8 +110,8 @@ class Message(Vertical):
         think, rest = split_think(self.text) if self.role == "assistant" else (None, self.text)
         self._think.display = think is not None
         self._think.title = f"thinking ({len(think or '')} chars)"
-        self._think_text.update(think or "")
-        self._body.update(prefix + rest.strip() + (f"\n[{self.note}]" if self.note else ""))
+        self._think_text.update(visible(think or ""))  # model text: every control character written out
+        self._body.update(visible(prefix + rest.strip() + (f"\n[{self.note}]" if self.note else "")))
 
 
 def save_record(folder: Path, path: Path | None, data: dict) -> Path:

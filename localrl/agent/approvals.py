@@ -1,13 +1,14 @@
 """Which commands an agent may run without asking: prefixes the user allowed or denied for a working
 directory, remembered across sessions, and patterns that are always asked about.
 
-A command line is split into its simple commands (at ``;``, ``&&``, ``||``, ``|``, ``&`` and new
-lines). It runs without asking only if every simple command starts with an allowed prefix (word
-by word: allowing ``git status`` allows ``git status -s``, not ``git push``); it is refused if any
-starts with a denied prefix (deny wins); anything else, and anything dangerous (``sudo``, a
-recursive ``rm`` of a path outside the working directory, a download piped into a shell, disk
-and permission wrecking), or any line whose parts cannot be seen (``$(...)``, backticks, process
-substitution, ``eval``), is asked about every time.
+A command line is read as bash reads it (``bash_syntax``: a strict reader that names what it does not model,
+comments, ``$'...'``, substitutions, here-documents and more, and the line is then asked about). It runs
+without asking only if every simple command starts with an allowed prefix (word by word: allowing ``git status``
+allows ``git status -s``, not ``git push``); it is refused if any starts with a denied prefix (deny wins);
+anything else is asked about, and so, every time, is a line holding a character that acts on a terminal or
+cannot be seen (``localrl.visible``), a dangerous one (``sudo``, a recursive ``rm`` of a path outside the
+working directory, a download piped into a shell, disk and permission wrecking) and one that runs text as
+commands (``eval``, ``source``).
 
 Decisions live in ``$XDG_DATA_HOME/localrl/approvals.json`` (``~/.local/share`` by default),
 keyed by the working directory's resolved path, written atomically.
@@ -18,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 from pathlib import Path
 
+from localrl.agent.bash_syntax import Unsure, simple_commands
 from localrl.atomic import write_text_atomic
+from localrl.visible import hidden_in_command
 
-OPERATORS = {";", "&&", "||", "|", "&", ";;", "|&", ";&", ";;&"}
-OPAQUE = re.compile(r"\$\(|`|<\(|>\(|\beval\b|\bsource\b|(^|\s)\.\s")
+RUNS_TEXT = frozenset({"eval", "source", ".", "exec", "builtin", "command", "enable", "trap"})
 DANGEROUS = [
     (re.compile(r"(^|[\s;&|(])sudo\b|(^|[\s;&|(])su\s"), "runs as another user"),
     (re.compile(r"\brm\b[^;&|]*\s-\w*[rR]\w*\b[^;&|]*\s(/|~|\.\.)"), "removes a tree outside the working directory"),
@@ -36,29 +37,6 @@ DANGEROUS = [
                                                                                              "outside the working "
                                                                                              "directory"),
 ]
-
-
-def simple_commands(line: str) -> list[list[str]] | None:
-    """The words of each simple command in ``line``, or None if the line cannot be split safely."""
-    if OPAQUE.search(line):
-        return None
-    lexer = shlex.shlex(line.replace("\n", ";"), posix=True, punctuation_chars=";&|<>")
-    lexer.whitespace_split = True
-    try:
-        tokens = list(lexer)
-    except ValueError:  # an unclosed quote
-        return None
-    commands, current = [], []
-    for token in tokens:
-        if token in OPERATORS:
-            if current:
-                commands.append(current)
-            current = []
-        else:
-            current.append(token)
-    if current:
-        commands.append(current)
-    return commands
 
 
 def danger(line: str) -> str | None:
@@ -88,13 +66,19 @@ class Approvals:
 
     def decide(self, line: str) -> tuple[str, str]:
         """("allow" | "deny" | "ask", why in words) for a command line."""
+        if hidden := hidden_in_command(line):
+            return "ask", f"WARNING: it holds characters that act on a terminal or cannot be seen, shown as " \
+                          f"{' '.join(hidden)}"
         if why := danger(line):
             return "ask", why
-        commands = simple_commands(line)
-        if commands is None:
-            return "ask", "its parts cannot all be seen"
-        if not commands:
-            return "ask", "it is empty"
+        try:
+            commands = [c.words for c in simple_commands(line)]
+        except Unsure as e:
+            return "ask", f"bash would read {e}, which is asked about every time"
+        if not all(commands):
+            return "ask", "it only redirects"
+        if runs_text := next((words[0] for words in commands if words[0] in RUNS_TEXT), None):
+            return "ask", f"`{runs_text}` runs text as commands"
         for words in commands:
             if prefix := _matching(words, self.denied):
                 return "deny", f"you always deny `{' '.join(prefix)}` here"
@@ -105,9 +89,13 @@ class Approvals:
 
     def remember(self, prefix: str, allow: bool) -> None:
         """Always allow (or deny) commands starting with ``prefix`` in this working directory."""
-        words = shlex.split(prefix)
-        if not words:
+        try:
+            commands = simple_commands(prefix)
+        except Unsure:
             return
+        if len(commands) != 1 or commands[0].redirections or any(commands[0].expands):
+            return
+        words = commands[0].words
         (self.allowed if allow else self.denied).append(words)
         data = self._load()
         data[self.workdir] = {"allow": self.allowed, "deny": self.denied}

@@ -19,6 +19,7 @@ from localrl.agent.session_log import Episode, SessionLog
 from localrl.agent.tool_calls import parse_tool_calls, system_message, tool_response
 from localrl.envs.sandbox import Sandbox
 from localrl.errors import UserError
+from localrl.visible import visible
 
 # ask(command, why) -> ("run", command as edited) | ("reject", None) | ("always", prefix) | ("never", prefix)
 Ask = Callable[[str, str], tuple[str, str | None]]
@@ -98,7 +99,7 @@ def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, a
         out.write("agent: ")
         for delta in model.stream(messages, max_tokens=max_tokens, temperature=0.0):
             reply.append(delta)
-            out.write(delta)
+            out.write(visible(delta))
             out.flush()
         out.write("\n")
         text = "".join(reply)
@@ -113,7 +114,7 @@ def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, a
         command = proposed = commands[0]
         reply_at = len(messages) - 1
         if revise is not None and (revised := revise(command)) != command:
-            out.write(f"[revised by your past edits: {revised}]\n")
+            out.write(f"[revised by your past edits: {visible(revised, command=True)}]\n")
             command = proposed = revised  # (the conversation keeps the model's reply, as it does a person's edit)
         decision, why = approvals.decide(command)
         if decision == "ask":
@@ -135,19 +136,26 @@ def _work(model, messages: list[dict], sandbox: Sandbox, approvals: Approvals, a
                 episode.turn(reply_at, proposed, outcome, None)
             continue
         result = sandbox.run(command)
-        out.write(result.describe() + "\n")
+        out.write(visible(result.describe()) + "\n")
         messages.append(tool_response(result.describe(echo=False)))
         if episode is not None:
             episode.turn(reply_at, proposed, outcome, command, result.exit_code, result.describe(echo=False))
 
 
 def terminal_ask(stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> Ask:
-    """Approval prompts on a terminal: y runs, n rejects, e edits, a/d always allow/deny a prefix."""
+    """Approval prompts on a terminal: y runs, n rejects, e edits, a/d always allow/deny a prefix. The command is
+    shown whole, with every character that acts on a terminal written out (``localrl.visible``); one of several
+    lines is shown as a block."""
     def ask(command: str, why: str) -> tuple[str, str | None]:
         first = command.split()[0] if command.split() else command
+        shown, shown_first = visible(command, command=True), visible(first, command=True)
+        if "\n" in shown:
+            shown = "this command:\n" + "".join(f"  | {line}\n" for line in shown.split("\n"))
+        else:
+            shown = f"`{shown}`"
         while True:
-            out.write(f"run `{command}`? ({why})  [y]es [n]o [e]dit [a]lways allow `{first}` "
-                      f"[d]eny `{first}` always: ")
+            out.write(f"run {shown}? ({why})  [y]es [n]o [e]dit [a]lways allow `{shown_first}` "
+                      f"[d]eny `{shown_first}` always: ")
             out.flush()
             answer = stdin.readline()
             if not answer:

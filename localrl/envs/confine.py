@@ -31,7 +31,8 @@ sockets scoped to the sandbox (ABI 6+).
 
 seccomp, every level: no TIOCSTI or TIOCLINUX ioctl (keystrokes into a terminal), no character or
 block device nodes, no mount, umount, new namespaces, ptrace, io_uring, BPF, keyrings, kernel
-modules, kexec, syslog or reboot. ``landlock`` adds ``socket()`` for AF_UNIX only, and, for a
+modules, kexec, syslog or reboot, no Unix or vsock sockets (a host socket's path is reachable through
+a read-only mount and from another network namespace). ``landlock`` adds no ``socket()`` at all, and, for a
 command run as anyone but nobody, no chmod, chown, utimes or xattr changes at all (Landlock has no
 right for metadata, and the owner of a file outside needs no capability to change it; inside the
 working directory ``touch`` on an existing file and ``chmod`` fail too). ``process`` commands
@@ -91,7 +92,7 @@ AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 S_IFMT, S_IFCHR, S_IFBLK = 0o170000, 0o020000, 0o060000
-AF_UNIX, EPERM, EACCES, ENOSYS = 1, 1, 13, 38
+AF_UNIX, AF_VSOCK, EPERM, EACCES, ENOSYS = 1, 40, 1, 13, 38
 NOBODY_UID = 65534
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
@@ -141,8 +142,10 @@ def arg(i: int) -> tuple:
     return (LD, 0, 0, 16 + 8 * i)  # the low 32 bits of syscall argument i (little-endian seccomp_data)
 
 
-def seccomp_program(unix_sockets_only: bool, no_metadata: bool) -> bytes:
-    """The filter as raw ``struct sock_filter`` records (what bwrap's ``--seccomp`` reads)."""
+def seccomp_program(no_sockets: bool, no_metadata: bool) -> bytes:
+    """The filter as raw ``struct sock_filter`` records (what bwrap's ``--seccomp`` reads). ``socket()`` is refused
+    for Unix and vsock sockets everywhere (a mount namespace cannot stop a ``connect()`` to a host socket's path,
+    and seccomp cannot read the path), and for every domain with ``no_sockets``."""
     blocks: list[tuple[int, list[tuple]]] = []  # (syscall, instructions that end in a return)
     for name in DENIED:
         if (number := nr(DENIED, name)) is not None:
@@ -157,8 +160,11 @@ def seccomp_program(unix_sockets_only: bool, no_metadata: bool) -> bytes:
         if (number := nr(SYSCALLS, name)) is not None:
             blocks.append((number, [arg(mode_arg), (AND, 0, 0, S_IFMT), (JEQ, 2, 0, S_IFCHR), (JEQ, 1, 0, S_IFBLK),
                                     (RET, 0, 0, ALLOW), errno(EPERM)]))
-    if unix_sockets_only:
-        blocks.append((nr(SYSCALLS, "socket"), [arg(0), (JEQ, 0, 1, AF_UNIX), (RET, 0, 0, ALLOW), errno(EACCES)]))
+    if no_sockets:
+        blocks.append((nr(SYSCALLS, "socket"), [errno(EACCES)]))
+    else:
+        blocks.append((nr(SYSCALLS, "socket"), [arg(0), (JEQ, 2, 0, AF_UNIX), (JEQ, 1, 0, AF_VSOCK), (RET, 0, 0, ALLOW),
+                                                 errno(EACCES)]))
     program = [(LD, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH[MACHINE]), errno(EPERM),  # another ABI: refuse
                (LD, 0, 0, 0), (JGE, 0, 1, 0x40000000), errno(EPERM)]  # the syscall number; x32 calls refused
     for number, block in blocks:

@@ -70,6 +70,7 @@ from pathlib import Path
 
 from localrl.envs import cgroups
 from localrl.envs.confine import NOBODY_UID, root_only_files
+from localrl.envs.tree import allocated_bytes
 from localrl.errors import UserError
 
 LEVELS = ("bwrap", "landlock", "unshare", "process")  # strongest first
@@ -229,23 +230,11 @@ def strongest_level(user: User | str = "default") -> str:
 
 
 def disk_usage(root: Path, pids: set[int] = frozenset()) -> int:
-    """Bytes allocated under ``root`` (not following links; unreadable directories made readable
-    first, or counted as unlimited) plus the files ``pids`` hold open after deleting them."""
-    total, seen = 0, set()
-    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: None):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            total += st.st_blocks * 512
-            seen.add((st.st_dev, st.st_ino))
-            if stat.S_ISDIR(st.st_mode) and not os.access(path, os.R_OK | os.X_OK):
-                try:  # the command hid it from us (chmod 000): we own it, so we can look again
-                    os.chmod(path, st.st_mode | 0o700)
-                except OSError:
-                    return 2**62
+    """Bytes allocated under ``root`` at any depth (``tree.allocated_bytes``: not following links, unreadable
+    directories made readable first or counted as unlimited) plus the files ``pids`` hold open after deleting
+    them."""
+    seen: set[tuple[int, int]] = set()
+    total = allocated_bytes(root, seen)
     for pid in pids:
         try:
             fds = os.scandir(f"/proc/{pid}/fd")

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import shutil
 import stat
 import tempfile
 import weakref
@@ -26,6 +25,7 @@ from pathlib import Path
 from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, task_list
 from localrl.envs.sandbox import ISOLATION, Sandbox, level_works, strongest_level
+from localrl.envs.tree import remove_tree, walk
 from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
                                       sample_tasks)
 from localrl.errors import UserError, failure_line
@@ -71,7 +71,7 @@ class ShellEnv:
         self.close()
         self.task = self.tasks(seed)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=self.root))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # also at exit, Ctrl-C included
+        self._cleanup = weakref.finalize(self, remove_tree, self.workdir)  # also at exit, Ctrl-C included
         self.task.setup(self.workdir)
         self.sandbox = Sandbox(self.workdir, timeout=self.timeout, output_limit=self.output_limit,
                                isolation=self.isolation, private_workdir=True)
@@ -150,30 +150,43 @@ def take_turn(env, action: str, run: Callable[[str], str]) -> tuple[str, bool]:
 
 def disarm(root: Path) -> None:
     """Remove what the model's commands left that could make reading the tree touch the host or
-    block: FIFOs, sockets, device nodes, and links that lead outside ``root`` or nowhere."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            try:
-                mode = os.lstat(path).st_mode
-                if stat.S_ISLNK(mode):
-                    target = os.path.realpath(path)
-                    inside = os.path.commonpath([target, str(root)]) == str(root)
-                    if inside and (os.path.isfile(target) or os.path.isdir(target)):
-                        continue
-                elif stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-                    continue
-                os.unlink(path)
-            except OSError:
-                continue
+    block: FIFOs, sockets, device nodes, and links that lead outside ``root`` or nowhere (at any depth:
+    ``tree.walk``; a link whose target cannot be resolved counts as leading out)."""
+    real_root = os.path.realpath(root)
+
+    def stays_inside(fd: int, name: str) -> bool:
+        target = os.path.realpath(f"/proc/self/fd/{fd}/{name}")  # the directory held open, not a path to it
+        inside = os.path.commonpath([target, real_root]) == real_root
+        return inside and (os.path.isfile(target) or os.path.isdir(target))
+
+    def visit(fd: int, name: str, st: os.stat_result, depth: int) -> None:
+        mode = st.st_mode
+        try:
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode) and stays_inside(fd, name):
+                return
+            os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
+
+    for _ in range(3):  # the command has ended; a leftover process could still move directories about
+        try:
+            walk(root, visit)
+            return
+        except OSError:
+            continue
 
 
 def sweep_stale_workdirs(root: str | Path | None = None) -> None:
-    """Remove episode directories left by localrl processes that are gone (killed, crashed)."""
-    for path in Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+    """Remove episode directories left by localrl processes that are gone (killed, crashed). Never raises: what
+    cannot be removed stays."""
+    try:
+        found = list(Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"))
+    except OSError:
+        return
+    for path in found:
         pid = path.name[len(WORKDIR_PREFIX):].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
 
 
 VERIFIER_PROBE_SECONDS = 10.0  # a verifier slower than this on one episode would stall every step

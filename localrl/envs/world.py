@@ -20,7 +20,6 @@ stops there in one line.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 from localrl.envs import EnvSetup, environments
 from localrl.envs.shell import SHELL_PRESET, EpisodeStats, TaskSource, shell_environment, take_turn
 from localrl.envs.shell_tasks import ShellTask
+from localrl.envs.tree import remove_tree
 from localrl.envs.world_format import Tree, WorldReplyError, apply, parse_answer, write_tree
 from localrl.envs.world_models import WorldModel, open_world_model
 from localrl.errors import UserError
@@ -104,7 +104,7 @@ class WorldEnv:
             write_tree(self.tree, root)
             return self.task.score(root, self.final_text)
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
 
     def close(self) -> None:
         pass

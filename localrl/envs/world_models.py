@@ -15,7 +15,6 @@ asked again (the episodes of a group often run the same command on the same file
 from __future__ import annotations
 
 import queue
-import shutil
 import tempfile
 import threading
 from concurrent.futures import Future
@@ -25,6 +24,7 @@ from typing import Protocol
 import torch
 
 from localrl.envs.world_format import Tree, answer, messages, read_tree, write_tree
+from localrl.envs.tree import remove_tree
 from localrl.errors import UserError
 
 MAX_REPLY_TOKENS = 384  # a reply: the output, then every file changed in full
@@ -188,7 +188,7 @@ class SandboxWorld:
             observation = sandbox.run(command).describe(echo=False)
             return observation, read_tree(root)
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
 
     def ask(self, tree: Tree, command: str) -> str | None:
         key = _key(tree, command)

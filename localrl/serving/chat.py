@@ -16,6 +16,7 @@ from typing import Iterator, Protocol, TextIO
 import torch
 
 from localrl.errors import UserError
+from localrl.visible import visible
 
 MIN_REPLY_TOKENS = 16  # a conversation fits a context only if this much room is left for the reply
 
@@ -193,7 +194,7 @@ def terminal_chat(source: str | Path, n_ctx: int = 0, max_tokens: int = 512, sys
         reply = []
         for delta in stream_fitted(model, messages, say_once, max_tokens=max_tokens, temperature=temperature):
             reply.append(delta)
-            stdout.write(delta)
+            stdout.write(visible(delta))
             stdout.flush()
         stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
