@@ -10,6 +10,10 @@
       checkpoints/
         step-000010/    a PEFT adapter directory plus trainer_state.pt (optimizer, RNG, step)
 
+One live process owns a run directory: training (new or resumed) holds an exclusive lock on its ``.lock``
+file from before anything in it is written or removed to the end, so a second ``train`` or ``--resume`` into a
+live run is refused in one line naming the process, and the kernel lets the lock go however the owner ends.
+
 Everything is written all or nothing: a checkpoint is written under ``.tmp-*`` and renamed
 into place, an old one is renamed to ``.old-*`` before it is removed, so a kill at any moment
 leaves only complete checkpoints under ``step-*`` names; leftovers go on the next start.
@@ -22,7 +26,9 @@ saved but are gone. A damaged newest checkpoint falls back to the one before, wi
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
 import re
 import shutil
@@ -49,6 +55,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
 EXPERIENCE = "experience.json"
 LEARNING_CURVE = "learning_curve.png"  # `localrl plot`'s default, and what --report-to logs at the end
 TENSORBOARD = "tensorboard"  # --report-to tensorboard's event files
+LOCK = ".lock"  # held (flock) by the process that trains in the directory; it holds that process's pid
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-")
 
@@ -59,6 +66,7 @@ class Run:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._made: Path | None = None  # the outermost directory ``create`` made (removed by ``discard``)
+        self._lock = None  # the open lock file while this process owns the directory
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r})"
@@ -100,11 +108,8 @@ class Run:
         if (p / CONFIG).exists():
             raise UserError(f"{where}: already exists; continue it with --resume {p}", field="run_dir")
         run = cls(p)
-        if p.is_dir() and any(p.iterdir()):
-            if not run._never_started():
-                raise UserError(f"{where}: not empty and not a run; choose another directory", field="run_dir")
-            log(f"{p}: a run that stopped before it started left files here; starting it again")
-            run.discard_contents()
+        if run._has_contents() and not run._never_started():
+            raise UserError(f"{where}: not empty and not a run; choose another directory", field="run_dir")
         made = [a for a in [p, *p.parents] if not a.exists()]  # innermost first
         try:
             p.mkdir(parents=True, exist_ok=True)
@@ -115,8 +120,45 @@ class Run:
             if made:
                 shutil.rmtree(made[-1], ignore_errors=True)
             raise UserError(f"{where}: cannot be written ({e.strerror or e})", field="run_dir") from None
+        run.acquire()  # before anything here is removed: a run that is loading is not one that stopped
+        if (p / CONFIG).exists():  # (written meanwhile by a run that has ended since)
+            run.release()
+            raise UserError(f"{where}: already exists; continue it with --resume {p}", field="run_dir")
+        if run._has_contents():
+            log(f"{p}: a run that stopped before it started left files here; starting it again")
+            run.discard_contents()
         run._made = made[-1] if made else None
         return run
+
+    def acquire(self) -> None:
+        """Make this process the directory's one owner until ``release`` or its end (an exclusive ``flock``, which
+        the kernel lets go when the process ends, however), or a UserError naming the process that owns it."""
+        try:
+            lock = open(self.path / LOCK, "a+")
+        except OSError as e:
+            raise UserError(f"run_dir {self.path}: cannot be written ({e.strerror or e})", field="run_dir") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            owner = lock.read().strip()
+            lock.close()
+            who = f"localrl process {owner}" if owner.isdigit() else "another localrl process"
+            raise UserError(f"run_dir {self.path}: in use by {who}, which is training in it; wait for it to end "
+                            "or choose another directory", field="run_dir") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        self._lock = lock
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _has_contents(self) -> bool:
+        return self.path.is_dir() and any(child.name != LOCK for child in self.path.iterdir())
 
     @classmethod
     def open(cls, path: str | Path, what: str = "run") -> "Run":
@@ -138,7 +180,7 @@ class Run:
         """Whether the directory holds only what a run leaves before its config is written:
         status records, an empty checkpoints folder, temporary files."""
         for child in self.path.iterdir():
-            if _LEFTOVER.match(child.name):
+            if _LEFTOVER.match(child.name) or child.name == LOCK:
                 continue
             if child.name == CHECKPOINTS and child.is_dir():
                 if any(not _LEFTOVER.match(c.name) for c in child.iterdir()):
@@ -151,8 +193,10 @@ class Run:
         return True
 
     def discard_contents(self) -> None:
-        """Remove what a run that never started left (never called on a started run)."""
+        """Remove what a run that never started left (never called on a started run); not the lock."""
         for child in self.path.iterdir():
+            if child.name == LOCK:
+                continue
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
             else:

@@ -7,6 +7,7 @@ it: an exception that is not a UserError escapes and fails the test, so a traceb
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -262,6 +263,28 @@ def test_a_run_killed_before_its_config_can_be_started_again(tmp_path, capsys, m
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     assert "not empty and not a run" in one_line(capsys, "train", "--run-dir", "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_second_train_or_resume_into_a_live_run_is_refused_and_the_first_keeps_its_files(trained_run, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """The probe's race: a second run started while the first loads took the first's status records for a run that
+    stopped before it started, and deleted them. A live run is told apart by its lock, whichever process holds it."""
+    monkeypatch.chdir(tmp_path)
+    loading = Run.create(tmp_path / "same", log=lambda *_: None)  # the first run, still loading its model
+    (loading.path / "metrics.jsonl").write_text(json.dumps({"kind": "status", "stage": "load"}) + "\n")
+    line = one_line(capsys, "train", "--run-dir", "same", "--steps", "1")
+    assert f"in use by localrl process {os.getpid()}" in line
+    assert (loading.path / "metrics.jsonl").exists()  # the first's files intact
+    live = copy_run(trained_run, tmp_path)
+    training = Run.open(live)
+    training.acquire()  # the first, still training
+    before = {p.name: p.read_bytes() for p in live.iterdir() if p.is_file()}
+    assert "in use by localrl process" in one_line(capsys, "train", "--resume", live, "--steps", "9")
+    assert {p.name: p.read_bytes() for p in live.iterdir() if p.is_file()} == before
+    training.release()
+    loading.release()  # once the first has ended, the directory is free again
+    code, _ = run_cli(capsys, "train", "--resume", live, "--steps", "5")
+    assert code == 0 and Run(live).steps_done() == 5
 
 
 def test_ctrl_c_while_the_model_loads_leaves_nothing_and_says_so(tmp_path, monkeypatch, builtin_model):

@@ -69,9 +69,9 @@ def server(tiny_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def open_server(tiny_gguf, tmp_path_factory):
     """The server without a key (the default), web pages from one origin let in, one more Host name served, a body
-    of 6 MiB allowed."""
+    of 6 MiB allowed, 3 s for a request's head."""
     yield from _serve(tiny_gguf, tmp_path_factory, "--cors-origin", "http://localhost:3000",
-                      "--allowed-host", "models.example", "--max-body-bytes", str(6 << 20))
+                      "--allowed-host", "models.example", "--max-body-bytes", str(6 << 20), "--header-timeout", "3")
 
 
 SHELL_TOOLS = [{"type": "function", "function": {"name": "shell", "description": "run a shell command",
@@ -732,3 +732,91 @@ def test_a_long_terminal_chat_drops_its_oldest_turns_and_says_so_once(builtin_mo
     assert max(replies) < 2 * len(questions) - 1  # the later ones without the oldest turns
     assert err.getvalue().splitlines()[0].startswith("chatting with tiny-arith (temperature 0, up to 60 tokens")
     assert err.getvalue().count("its oldest turns are dropped") == 1, err.getvalue()
+
+
+# What the second probe found: one request that killed or stalled the server. Each is answered 4xx in a second, while
+# an ordinary request is answered as usual.
+
+def _raw_exchange(base: str, head: bytes, pump: bytes = b"", seconds: float = 0.0) -> tuple[float, bytes]:
+    """(seconds until the server answered or closed, its first bytes) for ``head`` sent at once, then ``pump``
+    sent again and again (for ``seconds`` at most, one piece a second if ``seconds``; else as fast as it is taken)."""
+    port = int(base.split(":")[2].split("/")[0])
+    sock = socket.create_connection(("127.0.0.1", port))
+    start = time.time()
+    sock.sendall(head)
+
+    def send_more():
+        try:
+            while time.time() - start < (seconds or 30):
+                sock.sendall(pump)
+                if seconds:
+                    time.sleep(1)
+        except OSError:  # closed by the server
+            pass
+
+    sender = threading.Thread(target=send_more, daemon=True)
+    if pump:
+        sender.start()
+    sock.settimeout(40)
+    try:
+        answer = sock.recv(400)
+    except OSError as e:
+        answer = repr(e).encode()
+    elapsed = time.time() - start
+    sock.settimeout(2)
+    try:
+        while (more := sock.recv(4000)) and len(answer) < 8000:  # the rest of the answer, for its message
+            answer += more
+    except OSError:
+        pass
+    sock.close()
+    return elapsed, answer
+
+
+def _completion(grammar: str | None = None, **fields) -> bytes:
+    return json.dumps({"prompt": "2+2=", "max_tokens": 4, **({"grammar": grammar} if grammar else {}),
+                       **fields}).encode()
+
+
+NESTED = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # the probe's: llama.cpp's parser recursed off its stack
+CHAINED = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(190000)) + 'r190000 ::= "a"\n'
+RULES = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(2000)) + 'r2000 ::= "a"\n'
+
+
+@pytest.mark.parametrize("attack, status, named", [
+    ("nested grammar", 400, "max_grammar_depth"), ("190,000 chained rules", 400, "max_grammar_bytes"),
+    ("2,000 rules", 400, "max_grammar_rules"), ("300,000 stop strings", 400, "max_stops"),
+    ("a 100 MiB head", 431, "max_header_bytes"), ("1,000 headers", 431, "max_headers"),
+    ("a head a byte a second", 408, "header_timeout")])
+def test_a_request_built_to_kill_or_stall_the_server_is_refused_and_others_are_served(open_server, attack, status,
+                                                                                    named):
+    base = open_server
+    port = int(base.split(":")[2].split("/")[0])
+    post = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+
+    def with_body(body: bytes) -> bytes:
+        return f"{post}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+    exchanges = {
+        "nested grammar": lambda: _raw_exchange(base, with_body(_completion(NESTED))),
+        "190,000 chained rules": lambda: _raw_exchange(base, with_body(_completion(CHAINED))),
+        "2,000 rules": lambda: _raw_exchange(base, with_body(_completion(RULES))),
+        "300,000 stop strings": lambda: _raw_exchange(base, with_body(_completion(
+            stop=[f"s{i}" for i in range(300000)], logit_bias={"0": -100}))),
+        "a 100 MiB head": lambda: _raw_exchange(base, f"{post}X-Big: ".encode(), b"a" * (1 << 16)),
+        "1,000 headers": lambda: _raw_exchange(base, (post + "".join(f"X-{i}: v\r\n" for i in range(1000))).encode()
+                                               + b"Content-Length: 2\r\n\r\n{}"),
+        "a head a byte a second": lambda: _raw_exchange(base, post.encode(), b"X", seconds=30),
+    }
+    result = {}
+    attacker = threading.Thread(target=lambda: result.update(answer=exchanges[attack]()))
+    attacker.start()
+    time.sleep(0.2)
+    started = time.time()
+    ordinary, text = _post(base + "/completions", _completion())  # another client, meanwhile
+    ordinary_seconds = time.time() - started
+    attacker.join(60)
+    elapsed, answer = result["answer"]
+    assert answer.startswith(f"HTTP/1.1 {status}".encode()) and named.encode() in answer, answer
+    assert elapsed < (3 + 1 if status == 408 else 1), elapsed  # 408: at --header-timeout 3
+    assert ordinary == 200 and ordinary_seconds < 2, (ordinary, ordinary_seconds, text)

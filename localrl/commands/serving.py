@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from localrl.commands import quiet_libraries
 from localrl.errors import UserError
+from localrl.serving.limits import RequestLimits
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -18,8 +20,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None:
         print("localrl: warning: --api-key is visible to other users in the process list; prefer --api-key-file "
               "PATH or the LOCALRL_API_KEY environment variable", file=sys.stderr)
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
     serve(args.gguf, args.host, args.port, key, args.n_ctx, max_body_bytes=args.max_body_bytes,
-          cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), insecure=args.insecure)
+          cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), insecure=args.insecure,
+          limits=limits)
     return 0
 
 

@@ -54,6 +54,7 @@ from localrl.agent.tool_calls import parse_calls, tool_response, without_tool_ca
 from localrl.errors import UserError
 from localrl.quant.gguf_info import read_gguf_info
 from localrl.quant.runtime import require_llama_cpp_server
+from localrl.serving.limits import RequestLimits
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -293,8 +294,10 @@ class Gate:
     """
 
     def __init__(self, app, hosts: frozenset[str], any_address: bool, api_key: str | None,
-                 max_body: int = MAX_BODY_BYTES, cors_origins: tuple[str, ...] = ()) -> None:
+                 max_body: int = MAX_BODY_BYTES, cors_origins: tuple[str, ...] = (),
+                 max_headers: int = RequestLimits.max_headers) -> None:
         self.app, self.hosts, self.any_address, self.api_key, self.max_body = app, hosts, any_address, api_key, max_body
+        self.max_headers = max_headers
         self.admit = self._admit
         if cors_origins:
             from starlette.middleware.cors import CORSMiddleware
@@ -305,6 +308,10 @@ class Gate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if len(scope.get("headers") or []) > self.max_headers:
+            return await _send_json(send, 431, _error(
+                f"headers: over the server's limit of {self.max_headers} (max_headers, its --max-headers; got "
+                f"{len(scope['headers'])})", code="headers_too_large"))
         host = _header(scope, b"host")  # (HTTP/1.0 may leave it out; a browser never does)
         if host is not None and not self.host_allowed(host):
             name = _host_name(host)
@@ -616,11 +623,12 @@ class ValidateRequests:
     detokenize, a grammar that does not parse) or silently ignore (logit_bias for such a token id).
     """
 
-    def __init__(self, app, llama: Llama | None = None, alias: str = "model", n_ctx: int = DEFAULT_N_CTX) -> None:
+    def __init__(self, app, llama: Llama | None = None, alias: str = "model", n_ctx: int = DEFAULT_N_CTX,
+                 limits: RequestLimits = RequestLimits()) -> None:
         from llama_cpp.server.types import (CreateChatCompletionRequest, CreateCompletionRequest,
                                             DetokenizeInputRequest, TokenizeInputRequest)
 
-        self.app, self.llama, self.alias, self.n_ctx = app, llama, alias, n_ctx
+        self.app, self.llama, self.alias, self.n_ctx, self.limits = app, llama, alias, n_ctx, limits
         self.models = {CHAT: CreateChatCompletionRequest, **{p: CreateCompletionRequest for p in COMPLETIONS},
                        "/extras/tokenize": TokenizeInputRequest, "/extras/tokenize/count": TokenizeInputRequest,
                        "/extras/detokenize": DetokenizeInputRequest}
@@ -686,6 +694,8 @@ class ValidateRequests:
             if request.max_tokens is not None and not 1 <= request.max_tokens <= self.n_ctx:
                 return "max_tokens", f"must be 1 to {self.n_ctx} (the context length) or left out " \
                                      f"(got {request.max_tokens})"
+            if over := self.limits.problem(json.loads(body)):  # before llama.cpp parses any of it
+                return over
         if self.llama is None:
             return None
         n_vocab = self.llama.n_vocab()
@@ -773,11 +783,13 @@ def _cors_origin(origin: str) -> str:
 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           n_ctx: int = 0, log: Callable[[str], Any] = print, *, max_body_bytes: int = MAX_BODY_BYTES,
-          cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (), insecure: bool = False) -> None:
+          cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (), insecure: bool = False,
+          limits: RequestLimits = RequestLimits()) -> None:
     """Run the server until interrupted; ``n_ctx`` 0 is the context the model was trained for.
 
     A ``host`` other than loopback needs an ``api_key``, or ``insecure``. The Gate's docstring says what a request
-    must pass: ``max_body_bytes``, ``cors_origins`` and ``allowed_hosts`` (Host header names beyond the bound address).
+    must pass: ``max_body_bytes``, ``cors_origins`` and ``allowed_hosts`` (Host header names beyond the bound address),
+    and ``limits`` bounds what llama.cpp and the HTTP parser may be made to read (``localrl.serving.limits``).
     """
     if not 1 <= port <= 65535:
         raise UserError(f"serve: --port must be 1-65535 (got {port})")
@@ -785,6 +797,10 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         raise UserError(f"serve: --n-ctx must be 0 (the model's training context) or more (got {n_ctx})")
     if max_body_bytes < 1:
         raise UserError(f"serve: --max-body-bytes must be at least 1 (got {max_body_bytes})")
+    try:
+        limits.check()
+    except ValueError as e:
+        raise UserError(f"serve: {e}") from None
     cors_origins = tuple(_cors_origin(o) for o in cors_origins)
     for name in allowed_hosts:
         if not name.strip() or any(c in name for c in "/@ \t") or not _host_name(name):
@@ -805,6 +821,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     import uvicorn
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
+    from localrl.serving.bounded_http import bounded_protocol
+
     sock = _bound_socket(host, port)  # before the model loads, and kept, so the port cannot be taken meanwhile
     try:
         server = ServerSettings(host=host, port=port, api_key=api_key or None)
@@ -818,8 +836,9 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         proxy = getattr(server_app, "_llama_proxy", None)
         llama = proxy() if proxy is not None else None
         template = (llama.metadata.get("tokenizer.chat_template", "") if llama is not None else "") or ""
-        app = ToolMessages(ValidateRequests(ToolCalls(app), llama, p.stem, n_ctx), template)
-        app = GuardErrors(Gate(app, *served_hosts(host, allowed_hosts), api_key or None, max_body_bytes, cors_origins))
+        app = ToolMessages(ValidateRequests(ToolCalls(app), llama, p.stem, n_ctx, limits), template)
+        app = GuardErrors(Gate(app, *served_hosts(host, allowed_hosts), api_key or None, max_body_bytes, cors_origins,
+                               limits.max_headers))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
         log(f"serving {p} as {p.stem!r} on http://{address}:{port}/v1 with a {n_ctx}-token context "
             "(OpenAI-compatible; Ctrl-C stops)")
@@ -827,7 +846,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             log(f"note: --n-ctx {n_ctx} is beyond the {trained} tokens the model was trained on: "
                 "replies to longer prompts may be garbage")
         try:
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=bounded_protocol(limits))
+            uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
             pass
     finally:

@@ -216,6 +216,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         sampler.close()
         if not resume and w.is_main:
             run.discard()
+        run.release()
         if isinstance(e, KeyboardInterrupt):
             log("interrupted before training started: nothing was saved")
         raise
@@ -298,6 +299,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
             reporter.close()
         sink.close()
         sampler.close()
+        run.release()
     return RunResult(run.path, done, interrupted, eval_before, eval_after)
 
 
@@ -306,20 +308,28 @@ def _open_run(cfg: TrainConfig, base: dict, resume: bool, w: World, log) -> Run:
     whose path (or the one line saying why it cannot be) the other ranks receive."""
     if resume:
         run = Run.open(cfg.run_dir, "resume")
-        run.check_base(base)
+        if w.is_main:
+            run.acquire()  # one live process a run: not a second --resume, nor one while it still trains
+        try:
+            run.check_base(base)
+        except BaseException:
+            run.release()
+            raise
         return run
     if not w.distributed:
         return Run.create(cfg.run_dir or None, log)
     made: tuple[str, str] = ("", "")
+    run = None
     if w.is_main:
         try:
-            made = (str(Run.create(cfg.run_dir or None, log).path), "")
+            run = Run.create(cfg.run_dir or None, log)  # (kept: it holds the directory's lock)
+            made = (str(run.path), "")
         except UserError as e:
             made = ("", str(e))
     path, problem = w.broadcast(made)
     if problem:
         raise UserError(problem)
-    return Run(path)
+    return run if run is not None else Run(path)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:

@@ -1,0 +1,92 @@
+"""uvicorn's h11 protocol with a bound on each request head: its size and the time it may take to arrive.
+
+uvicorn's default parser (httptools) takes a head of any size, and neither parser gives up on a client that
+sends its headers a byte at a time; the Gate, which checks the key, only runs once a head is complete. So the
+server runs this protocol: a head (request line and headers) over ``max_header_bytes`` is answered 431, one that
+has not arrived ``header_timeout`` seconds after the connection opened (or after the last response on a kept-alive
+connection) 408, each as JSON naming the limit's flag, and the connection is closed. h11 reads the head in
+linear time (the header count is bounded by the Gate, ``max_headers``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from localrl.serving.limits import RequestLimits, flag
+
+HEAD_END = b"\r\n\r\n"
+
+
+def bounded_protocol(limits: RequestLimits) -> type[H11Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with ``limits``' head bounds."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
+
+
+def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+class BoundedH11Protocol(H11Protocol):
+    limits = RequestLimits()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_bytes, self._tail, self._deadline = 0, b"", None
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.limits.header_timeout, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _reading_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_head():
+            room = self.limits.max_header_bytes - self._head_bytes
+            if len(data) > room and HEAD_END not in self._tail + data[:max(room, 0)]:
+                return self._refuse(431, "Request Header Fields Too Large",
+                                    self._over("max_header_bytes", "request line and headers"), "headers_too_large")
+            self._head_bytes += len(data)
+            self._tail = (self._tail + data)[-3:]
+        super().data_received(data)
+        if not self._reading_head():
+            self._head_bytes, self._tail = 0, b""
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets its own time
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or not self._reading_head():
+            return
+        if self._head_bytes:  # a head begun and not finished
+            return self._refuse(408, "Request Timeout", self._over("header_timeout", "request line and headers",
+                                                                   unit=" s"), "header_timeout")
+        self.transport.close()  # an idle connection: nothing to answer
+
+    def _over(self, name: str, what: str, unit: str = " bytes") -> str:
+        return f"{what}: over the server's limit of {getattr(self.limits, name)}{unit} ({name}, its --{flag(name)})"
+
+    def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+        self._disarm()
+        self.transport.write(raw_error(status, reason, message, code))
+        self.transport.close()

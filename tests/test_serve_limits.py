@@ -1,0 +1,90 @@
+"""What one request may make the server parse, checked in-process in milliseconds (the live attacks are in
+test_serve.py): the grammar, stop and logit-bias bounds, and the Gate's order (headers, then the key, then the
+body, read only up to its limit)."""
+
+import asyncio
+import json
+
+import pytest
+
+from localrl.serving.limits import RequestLimits, grammar_shape
+from localrl.serving.serve import Gate
+
+
+@pytest.mark.parametrize("grammar, shape", [
+    ('root ::= "a"', (1, 0)), ('root ::= ("a" | "b")*', (1, 1)), ('root ::= (("a"))\nx ::= "b"', (2, 2)),
+    ('root ::= "(((" [(] "::=" # (((( ::=\nx ::= ("\\"(")', (2, 1)), ("root ::= " + "(" * 20000 + '"a"' + ")" * 20000,
+                                                                  (1, 20000)),
+])
+def test_a_grammars_rules_and_depth_are_read_as_llama_cpp_reads_them(grammar, shape):
+    assert grammar_shape(grammar) == shape
+
+
+@pytest.mark.parametrize("request_, param, named", [
+    ({"grammar": "root ::= " + "(" * 65 + '"a"' + ")" * 65}, "grammar", "max_grammar_depth"),
+    ({"grammar": "".join(f"r{i} ::= r{i + 1}\n" for i in range(1025))}, "grammar", "max_grammar_rules"),
+    ({"grammar": 'root ::= "' + "a" * 70000 + '"'}, "grammar", "max_grammar_bytes"),
+    ({"response_format": {"type": "json_object", "schema": {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"}
+                                                                      for i in range(1100)}}}},
+     "response_format", "max_grammar_rules"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "max_stops"), ({"stop": "x" * 1025}, "stop", "max_stop_chars"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "max_logit_bias"),
+])
+def test_each_bound_is_named_with_its_flag(request_, param, named):
+    where, message = RequestLimits().problem(request_)
+    assert where == param and named in message and f"--{named.replace('_', '-')}" in message
+
+
+def test_requests_at_the_bounds_pass():
+    limits = RequestLimits()
+    assert limits.problem({"grammar": "root ::= " + "(" * 64 + '"a"' + ")" * 64, "stop": ["x" * 1024] * 16,
+                           "logit_bias": {str(i): 1 for i in range(1024)}}) is None
+    with pytest.raises(ValueError, match="--max-stops"):
+        RequestLimits(max_stops=0).check()
+
+
+def _call(gate: Gate, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes | None, list]:
+    """(status, the body the app was handed or None, what the client's receive() was asked) for one request."""
+    asked, seen, sent = [], {}, []
+
+    async def receive():
+        asked.append(len(asked))
+        chunk = chunks[len(asked) - 1]
+        return {"type": "http.request", "body": chunk, "more_body": len(asked) < len(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive_, send_):
+        message = await receive_()
+        seen["body"] = message["body"]
+        await send_({"type": "http.response.start", "status": 200, "headers": []})
+        await send_({"type": "http.response.body", "body": b"{}"})
+
+    gate.app = app
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    asyncio.run(gate(scope, receive, send))
+    return sent[0]["status"], seen.get("body"), asked
+
+
+def test_the_key_is_checked_before_any_of_the_body_is_read():
+    gate = Gate(None, frozenset({"localhost"}), False, "sekrit", max_body=64)
+    status, body, asked = _call(gate, [(b"host", b"localhost"), (b"authorization", b"Bearer wrong")], [b"{}"] * 3)
+    assert status == 401 and body is None and asked == []
+    status, body, asked = _call(gate, [(b"host", b"localhost"), (b"authorization", b"Bearer sekrit")], [b"{}"])
+    assert status == 200 and body == b"{}" and asked == [0]
+
+
+def test_a_chunked_body_one_byte_over_the_limit_is_refused_and_one_at_it_served():
+    gate = Gate(None, frozenset({"localhost"}), False, None, max_body=100)
+    host = [(b"host", b"localhost")]
+    status, body, _ = _call(gate, host, [b" " * 40, b" " * 40, b" " * 18 + b"{}"])
+    assert status == 200 and len(body) == 100
+    status, body, asked = _call(gate, host, [b" " * 40, b" " * 40, b" " * 19 + b"{}", b"never read"])
+    assert status == 413 and body is None and len(asked) == 3
+
+
+def test_more_headers_than_the_bound_get_a_431_before_the_key():
+    gate = Gate(None, frozenset({"localhost"}), False, "sekrit", max_headers=10)
+    status, body, asked = _call(gate, [(b"host", b"localhost")] + [(b"x-%d" % i, b"v") for i in range(10)], [b"{}"])
+    assert status == 431 and asked == []
