@@ -46,8 +46,7 @@ FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELD
 def cmd_tui(args: argparse.Namespace) -> int:
     from localrl.tui.app import run_tui
 
-    run_tui(args.attach, args.model, args.workdir, args.runs_dir)
-    return 0
+    return run_tui(args.attach, args.model, args.workdir, args.runs_dir)  # not 0 after an exception it showed
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,18 +68,49 @@ class MetricsSink:
             self._file = None
 
 
+TEXT_FIELDS = frozenset({"kind", "stage", "message", "when"})
+INT_FIELDS = frozenset({"step", "done", "total", "n", "completions", "micro_batch"})
+NUMBER_FIELDS = frozenset({"accuracy", "reward_mean", "reward_std", "loss", "completion_len", "truncated", "lr",
+                           "frac_reward_zero_std", "tokens_per_s", "gen_s", "step_s", "peak_mem_mb", "kl", "clip_frac",
+                           "is_weight", "wall_time", "reward_length_corr", "ece", "model_tokens"})
+NUMBERS_BY_NAME = frozenset({"rewards", "reward_shares"})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_record(line: bytes | str) -> dict | None:
+    """One line of a metrics file as a record, or None if it is no record (not UTF-8, not JSON, not an object with
+    a text ``kind``, or a field that readers compute with of the wrong type: a torn line, a hand edit, damage).
+    Every reader goes through this, so one bad line costs that line only."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return None
+    for key, value in record.items():
+        if key in TEXT_FIELDS and not isinstance(value, str) \
+                or key in INT_FIELDS and not (isinstance(value, int) and not isinstance(value, bool)) \
+                or key in NUMBER_FIELDS and not (value is None or _is_number(value)) \
+                or key in NUMBERS_BY_NAME and not (isinstance(value, dict) and
+                                                   all(v is None or _is_number(v) for v in value.values())):
+            return None
+    if record["kind"] in ("train", "eval", "checkpoint") and "step" not in record:
+        return None
+    return record
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """All complete records of a metrics file (a torn last line from a crash is skipped)."""
+    """The records of a metrics file; a line that is no record (a torn last line from a crash, damage) is
+    skipped (``parse_record``)."""
     p = Path(path)
-    if not p.exists():
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
         return []
-    out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return [r for line in data.splitlines() if (r := parse_record(line)) is not None]
 
 
 ETA_WINDOW = 20  # the last steps whose times predict the rest

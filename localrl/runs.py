@@ -468,13 +468,17 @@ def _rng_state() -> dict:
 def _load_checkpoint(ckpt: Path, model, optimizer, run_state: dict | None = None) -> int:
     """Restore adapter weights, optimizer and RNG state from ``ckpt``; returns its step. Every file
     is read before anything is changed, so a damaged checkpoint leaves model and optimizer as they were."""
+    from peft import PeftConfig
     from safetensors.torch import load_file
 
     try:
         # every adapter the model has (self-play's second one too), saved as PEFT saves them: the run's own at the
-        # top, any other in a folder of its name
-        adapters = {name: load_file(str((ckpt if name == "default" else ckpt / name) / ADAPTER_FILE))
-                    for name in getattr(model, "peft_config", None) or ["default"]}
+        # top, any other in a folder of its name; its config read as `eval` and `export` will read it
+        folders = {name: ckpt if name == "default" else ckpt / name
+                   for name in getattr(model, "peft_config", None) or ["default"]}
+        for folder in folders.values():
+            PeftConfig.from_pretrained(str(folder))
+        adapters = {name: load_file(str(folder / ADAPTER_FILE)) for name, folder in folders.items()}
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
         for name, weights in adapters.items():
             _set_adapter(model, weights, name)

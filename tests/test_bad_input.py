@@ -190,6 +190,16 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_run, t
     assert train_records(run)[:2] == train_records(trained_run)[:2]
 
 
+def test_resume_refuses_a_checkpoint_whose_adapter_config_eval_and_export_would_refuse(trained_run, tmp_path):
+    """The probe's: with a damaged adapter_config.json in the newest checkpoint, resume claimed it."""
+    run = copy_run(trained_run, tmp_path)
+    (run / "checkpoints" / "step-000003" / "adapter_config.json").write_text("{not json")
+    lines = []
+    result = train(resume_config(run, {"steps": 4}), resume=True, log=lines.append)
+    assert any("step-000003: cannot be loaded" in line for line in lines), lines
+    assert any("resumed" in line and "step-000002" in line for line in lines) and result.steps_done == 4
+
+
 def test_a_half_deleted_checkpoint_is_never_under_a_valid_name(trained_run, tmp_path, monkeypatch):
     """Rotation renames before it deletes: a kill midway leaves a hidden leftover, removed on the next start."""
     import localrl.runs
@@ -780,3 +790,20 @@ def test_a_full_disk_during_export_is_one_line(builtin_model, small_disk, capsys
     line = one_line(capsys, "export", builtin_model, "--out", small_disk / "tiny.gguf", "--quant", "f16", "--no-check")
     assert "no space left writing" in line and "nothing was left behind" in line
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no temporary left behind
+
+
+def test_damaged_lines_in_metrics_cost_only_themselves(trained_run, tmp_path, capsys):
+    """The probe's: one such line gave analyze and plot a traceback and failed a resume after the model loaded."""
+    from localrl.metrics import read_metrics
+
+    run = copy_run(trained_run, tmp_path)
+    good = read_metrics(run / "metrics.jsonl")
+    analyzed = run_cli(capsys, "analyze", str(run), "--json")
+    with (run / "metrics.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe not UTF-8\n5\n[1,2]\n" b'{"step": "two", "rewards": 5}\n{"kind": "train", "step": "x"}\n'
+                b'{"kind": "train", "step": 9, "rewards": 5}\n')
+    assert read_metrics(run / "metrics.jsonl") == good
+    assert run_cli(capsys, "analyze", str(run), "--json") == analyzed  # as if the lines were not there
+    assert run_cli(capsys, "plot", str(run), "--out", str(tmp_path / "p.png"))[0] == 0
+    code, _ = run_cli(capsys, "train", "--resume", str(run), "--steps", "5")
+    assert code == 0 and Run(run).steps_done() == 5

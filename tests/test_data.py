@@ -102,3 +102,17 @@ def test_real_models_get_the_answer_format_as_a_system_message(builtin_model):
     with_system, without = encode_prompts(tok, rows, "Use tags."), encode_prompts(tok, rows)
     assert tok.decode(with_system[0]).startswith("<|im_start|>system\nUse tags.<|im_end|>")
     assert with_system[1] == without[1]  # a row's own system message is kept, not doubled
+
+
+def test_a_users_answer_pattern_has_a_time_limit_and_an_unmatched_group_is_no_answer():
+    import time
+
+    from localrl.data.sources import USER_REGEX_SECONDS, extract_answer
+
+    assert extract_answer("xbar", "regex:(foo)?bar") is None  # the probe's AttributeError
+    assert extract_answer("foobar", "regex:(foo)?bar") == "foo"
+    assert extract_answer("a" * 34 + "!", "regex:^(a+)+$") is None  # the probe's: past 90 s under Python's re
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"^answer format regex:\^\(a\|a\)\*\$: took over 1 s on one answer"):
+        extract_answer("a" * 40 + "!", "regex:^(a|a)*$")  # backtracks in any engine: stopped at the limit
+    assert time.monotonic() - started < USER_REGEX_SECONDS + 2

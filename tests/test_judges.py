@@ -148,3 +148,83 @@ def test_localrl_eval_of_the_run_gives_the_judges_lessons_as_the_run_did(builtin
     assert list(load_library(run.run_dir).lessons.values()) == [HAND_LESSONS[1]]
     result = evaluate_policy(resume_config(run.run_dir, {}), run.run_dir, samples=0)
     assert result["accuracy"] == run.eval_after["accuracy"] and "with the 1 lessons" in result["model"]
+
+
+class _RawServer:
+    """A loopback server that answers every connection with ``reply(sock)`` (a thread each): for what no honest
+    server sends."""
+
+    def __init__(self, reply):
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            self.reply(conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def _json_reply(payload: bytes):
+    def reply(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(payload), payload))
+    return reply
+
+
+def _a_byte_a_second(conn):
+    import time
+
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    for _ in range(60):
+        conn.sendall(b" ")
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("listing", [b'{"data": null}', b'{"data": 5}', b'[1, 2]', b'{"data": [5, "x"]}'])
+def test_a_server_that_lists_its_models_oddly_is_one_line(listing):
+    server = _RawServer(_json_reply(listing))
+    try:
+        with pytest.raises(UserError, match=r"^config field reward: http://127\.0\.0\.1:\d+/v1 lists no model"):
+            Endpoint(server.url, "reward", FAST).check()
+    finally:
+        server.close()
+
+
+def test_a_judge_that_answers_a_byte_a_second_is_given_up_on_within_its_timeout():
+    import time
+
+    server = _RawServer(_a_byte_a_second)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UserError, match=r"does not answer \(no whole reply within 2 s\)"):
+            Endpoint(server.url + "|m", "reward", EndpointSettings(timeout=2.0, retries=0)).check()
+        assert time.monotonic() - started < 4  # (the acceptance: its one line within 10 s)
+        endpoint = Endpoint(server.url + "|m", "reward", EndpointSettings(timeout=2.0, retries=0))
+        endpoint._checked = True
+        started = time.monotonic()
+        assert endpoint.chat([[{"role": "user", "content": "hi"}]], 8) == [None]
+        assert time.monotonic() - started < 4 and "no whole reply within 2 s" in endpoint.last_error
+    finally:
+        server.close()

@@ -15,6 +15,7 @@ import pytest
 
 from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import cgroups
+from localrl.envs.confine import EPISODE_UIDS
 from localrl.envs.sandbox import LEVELS, Sandbox, reachable_by_anyone, disk_usage, level_works
 from localrl.envs.shell import ShellEnv, expert_call, task_list
 from localrl.envs.shell_tasks import generate
@@ -74,7 +75,22 @@ def sandbox(tmp_path, level, user, **kwargs) -> Sandbox:
     for d in [workdir.parent, *workdir.parent.parents]:  # pytest's tmp_path is root's alone (mode 700)
         if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
             d.chmod(d.stat().st_mode | 0o011)
+    if ROOT and level == "process" and user == "given":  # a root-owned directory would keep uid 0: refused
+        with pytest.raises(UserError, match="process level would run commands in .* as root"):
+            Sandbox(workdir, isolation=level, **kwargs)
+        pytest.skip("the process level refuses to run commands as root (test_the_process_level_refuses_root)")
     return Sandbox(workdir, isolation=level, private_workdir=user == "private", **kwargs)
+
+
+def at_level(workdir: Path, level: str, **kwargs) -> Sandbox:
+    """A sandbox at ``level`` in ``workdir``. The process level never runs a command as root: as root, ``workdir`` is
+    handed to an episode's own user there, as the shell environment's are."""
+    if not (ROOT and level == "process"):
+        return Sandbox(workdir, isolation=level, **kwargs)
+    for d in [workdir, *workdir.parents]:
+        if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
+            d.chmod(d.stat().st_mode | 0o011)
+    return Sandbox(workdir, isolation=level, private_workdir=True, **kwargs)
 
 
 def as_nobody(user: str) -> bool:
@@ -92,7 +108,8 @@ def test_writes_outside_the_workdir(tmp_path, level):
     workdir, outside = tmp_path / "work", tmp_path / "outside"
     workdir.mkdir()
     outside.mkdir()
-    result = Sandbox(workdir, isolation=level).run(f"echo in > inside; echo out > {outside}/file; echo out >> ~/../x")
+    outside.chmod(0o777)  # where the command's user, whoever it is, may write unless the level stops it
+    result = at_level(workdir, level).run(f"echo in > inside; echo out > {outside}/file; echo out >> ~/../x")
     assert (workdir / "inside").read_text() == "in\n"
     wrote = (outside / "file").exists() or (tmp_path / "x").exists()
     assert wrote is (level not in CONFINES_WRITES), result.output
@@ -121,7 +138,7 @@ def _accept(server):
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_network(tmp_path, level, loopback_server):
     port, accepted, thread = loopback_server
-    result = Sandbox(tmp_path, timeout=5, isolation=level).run(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED")
+    result = at_level(tmp_path, level, timeout=5).run(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED")
     reached = "CONNECTED" in result.output
     assert reached is (level not in NO_NETWORK), result.output
     if reached:
@@ -134,7 +151,7 @@ def test_other_processes_environment(tmp_path, level):
     secret = f"SECRET_{uuid.uuid4().hex}"
     other = subprocess.Popen(["bash", "-c", "sleep 30; :", f"{secret}-ARGV"], env={"TOKEN": secret})
     try:
-        result = Sandbox(tmp_path, isolation=level).run(f"umount /proc; cat /proc/{other.pid}/cmdline; "
+        result = at_level(tmp_path, level).run(f"umount /proc; cat /proc/{other.pid}/cmdline; "
                                                         f"cat /proc/{other.pid}/environ")
     finally:
         other.kill()
@@ -149,7 +166,7 @@ def test_timeout_kills_the_command_and_every_child(tmp_path, level):
     seconds = unique_seconds()
     t0 = time.monotonic()
     command = f"sleep {seconds} & setsid sleep {seconds} & (setsid bash -c 'sleep {seconds} &' &); sleep {seconds}"
-    result = Sandbox(tmp_path, timeout=1.0, isolation=level).run(command)
+    result = at_level(tmp_path, level, timeout=1.0).run(command)
     assert result.timed_out and result.exit_code is None
     assert time.monotonic() - t0 < 8
     time.sleep(0.3)
@@ -173,7 +190,7 @@ def test_the_process_finder_sees_a_live_child(tmp_path):
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_background_children_do_not_outlive_a_finished_command(tmp_path, level):
     seconds = unique_seconds()
-    result = Sandbox(tmp_path, isolation=level).run(f"(sleep {seconds}; touch late) & setsid sleep {seconds} & echo started")
+    result = at_level(tmp_path, level).run(f"(sleep {seconds}; touch late) & setsid sleep {seconds} & echo started")
     assert result.exit_code == 0 and "started" in result.output
     time.sleep(0.3)
     assert processes_running(seconds) == []
@@ -181,7 +198,7 @@ def test_background_children_do_not_outlive_a_finished_command(tmp_path, level):
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_disk_use_is_capped(tmp_path, level):
-    sandbox = Sandbox(tmp_path, timeout=20, isolation=level, max_file_bytes=8 * 2**20, max_disk_bytes=32 * 2**20)
+    sandbox = at_level(tmp_path, level, timeout=20, max_file_bytes=8 * 2**20, max_disk_bytes=32 * 2**20)
     result = sandbox.run("for i in $(seq 1 100); do head -c 4000000 /dev/zero > f$i || exit 9; done")
     assert result.over_disk and result.exit_code is None and "disk quota" in result.describe()
     assert disk_usage(tmp_path) < 128 * 2**20  # 100 files of 4 MB were asked for
@@ -194,14 +211,14 @@ def test_disk_use_is_capped(tmp_path, level):
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_memory_and_open_files_are_limited(tmp_path, level):
-    sandbox = Sandbox(tmp_path, isolation=level, memory_bytes=256 * 2**20, max_open_files=32)
+    sandbox = at_level(tmp_path, level, memory_bytes=256 * 2**20, max_open_files=32)
     result = sandbox.run("python3 -c 'bytearray(512 * 2**20)' 2>&1 | tail -1; ulimit -n")
     assert "MemoryError" in result.output and result.output.split()[-1] == "32"
 
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_output_is_capped_in_the_middle_without_stalling(tmp_path, level):
-    result = Sandbox(tmp_path, output_limit=1000, isolation=level).run(
+    result = at_level(tmp_path, level, output_limit=1000).run(
         "echo first; head -c 5000000 /dev/zero | tr '\\0' x; echo; echo last >&2")
     assert result.truncated and result.exit_code == 0
     assert result.output.startswith("first") and result.output.rstrip().endswith("last")
@@ -222,11 +239,11 @@ def test_tool_calls_are_parsed_and_malformed_ones_skipped():
 
 # -- attacks: each test is what a hostile model's command would try; it fails if the attack works ------------
 
-def test_a_private_workdir_runs_as_nobody_and_a_given_root_one_as_root_without_capabilities(tmp_path):
+def test_a_private_workdir_runs_as_its_own_user_and_a_given_root_one_as_root_without_capabilities(tmp_path):
     private, given = sandbox(tmp_path / "a", None, "private"), sandbox(tmp_path / "b", None, "given")
     if ROOT:
-        assert (private.runs_as, given.runs_as) == ("nobody", "root without capabilities")
-        assert (tmp_path / "a" / "work").stat().st_uid == 65534
+        assert private.runs_as.startswith("the episode's own user (uid ") and given.runs_as == "root without capabilities"
+        assert (tmp_path / "a" / "work").stat().st_uid == private.user[0] != 65534
     else:
         assert private.runs_as == given.runs_as == "the caller's user"
 
@@ -431,8 +448,8 @@ def test_the_shell_environment_path_is_confined_too(level):
         observation, _ = env.step(expert_call(f"grep CapEff /proc/self/status; mount -o remount,rw /etc; "
                                               f"echo pwned > {target}; id -u"))
         assert not target.exists(), observation
-        if ROOT:
-            assert "65534" in observation, observation
+        if ROOT:  # the episode's own user
+            assert any(line.isdigit() and int(line) in EPISODE_UIDS for line in observation.splitlines()), observation
         if "CapEff" in observation:
             assert "CapEff:\t0000000000000000" in observation
     finally:
@@ -617,3 +634,70 @@ def test_a_directory_swapped_for_a_link_mid_walk_is_neither_entered_nor_changed(
     assert (victim.stat().st_mode & 0o777) == 0o700  # no chmod through the link
     size = allocated_bytes(root)
     assert 65536 <= size < 2**20  # the hidden file counted, the host's not
+
+
+# -- episodes side by side -------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ROOT, reason="episodes get users of their own only when localrl runs as root")
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_an_episode_cannot_see_or_touch_a_sibling_episodes_directory(tmp_path, level):
+    """The probe's reward hack: episodes ran as one user, so one could chmod 000 another's directory (its score
+    fell to 0) or list /tmp. Each episode now has its own user, and Landlock handles directory listing."""
+    mine = sandbox(tmp_path / "a", level, "private")
+    sibling_box = sandbox(tmp_path / "b", level, "private")
+    sibling = sibling_box.workdir
+    assert mine.user != sibling_box.user and mine.runs_as.startswith("the episode's own user")
+    (sibling / "answer.txt").write_text("42\n")
+    os.chown(sibling / "answer.txt", *sibling_box.user)
+    mode = sibling.stat().st_mode
+    result = mine.run(f"ls {sibling} 2>/dev/null | sed s/^/LISTED:/; chmod 000 {sibling}; "
+                      f"chmod 000 {sibling}/answer.txt; rm -f {sibling}/answer.txt; echo x > {sibling}/planted; "
+                      "ls / >/dev/null 2>&1 && echo LISTED-ROOT; echo DONE")
+    assert "DONE" in result.output
+    assert sibling.stat().st_mode == mode and (sibling / "answer.txt").read_text() == "42\n"
+    assert (sibling / "answer.txt").stat().st_mode & 0o777 != 0 and not (sibling / "planted").exists()
+    assert "LISTED:" not in result.output, result.output
+    assert ("LISTED-ROOT" in result.output) is (level in ("unshare", "process", "bwrap")), result.output
+    assert sibling_box.run("cat answer.txt").output == "42\n"  # the sibling scores as if alone
+
+
+MAKE_COPY = """
+import sys, time
+import localrl.envs.sandbox as s
+s.reachable_by_anyone = lambda path: False  # as when the wheel's bwrap lies in root's home (mode 700)
+print(s.bwrap_for_others(), flush=True)
+if sys.argv[1] == "hang":
+    time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and not level_works("bwrap"), reason="no bwrap here")
+def test_the_bwrap_copy_for_other_users_is_removed_at_exit_and_after_a_kill(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", MAKE_COPY, "exit"], capture_output=True, text=True, env=env)
+    copy = Path(done.stdout.strip())
+    assert copy.name == "bwrap" and copy.parent.parent == tmp_path, done.stderr
+    assert not copy.parent.exists()  # removed at exit
+    killed = subprocess.Popen([sys.executable, "-c", MAKE_COPY, "hang"], stdout=subprocess.PIPE, text=True, env=env)
+    left = Path(killed.stdout.readline().strip())
+    killed.kill()
+    killed.wait()
+    assert left.exists()  # a kill -9 runs no exit handler
+    subprocess.run([sys.executable, "-c", MAKE_COPY, "exit"], capture_output=True, env=env, check=True)
+    assert not left.parent.exists() and list(tmp_path.iterdir()) == []  # swept by the next process that made one
+
+
+@pytest.mark.skipif(not ROOT, reason="only root has a uid 0 to keep")
+def test_the_process_level_refuses_root_and_no_command_leaves_its_cgroup(tmp_path):
+    """The probe's: at the process level as uid 0 a command moved itself to the root cgroup, raised its own
+    pids.max and outlived the run. The process level now never runs as root; no level's command leaves its group."""
+    with pytest.raises(UserError, match="as root"):
+        Sandbox(tmp_path, isolation="process")
+    assert not level_works("process", None)
+    marker = unique_seconds()
+    for level in [p.values[0] for p in LEVELS_HERE if level_works(p.values[0])]:
+        box = sandbox(tmp_path / level, level, "private")
+        result = box.run(f"echo $$ > /sys/fs/cgroup/cgroup.procs; echo 100000 > /sys/fs/cgroup/pids.max; "
+                         f"(setsid sleep {marker} &); echo DONE")
+        assert "DONE" in result.output
+        assert processes_running(marker) == [], (level, result.output)

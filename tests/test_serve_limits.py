@@ -88,3 +88,27 @@ def test_more_headers_than_the_bound_get_a_431_before_the_key():
     gate = Gate(None, frozenset({"localhost"}), False, "sekrit", max_headers=10)
     status, body, asked = _call(gate, [(b"host", b"localhost")] + [(b"x-%d" % i, b"v") for i in range(10)], [b"{}"])
     assert status == 431 and asked == []
+
+
+def test_a_key_file_must_be_a_small_regular_file_and_a_readable_one_is_warned_about(tmp_path):
+    import os
+
+    from localrl.errors import UserError
+    from localrl.serving.serve import api_key_from
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, why in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"), (tmp_path, "not a regular"),
+                      (tmp_path / "missing", "cannot read it")):
+        with pytest.raises(UserError, match=f"^serve --api-key-file {path}: {why}"):
+            api_key_from(key_file=path)
+    big = tmp_path / "big"
+    big.write_bytes(b"k" * 5000)
+    with pytest.raises(UserError, match="5000 bytes; a key file holds one key"):
+        api_key_from(key_file=big)
+    key, warned = tmp_path / "key", []
+    key.write_text("sekrit\n")
+    key.chmod(0o600)
+    assert api_key_from(key_file=key, warn=warned.append) == "sekrit" and warned == []
+    key.chmod(0o644)
+    assert api_key_from(key_file=key, warn=warned.append) == "sekrit" and "chmod 600" in warned[0]

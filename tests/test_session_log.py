@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import stat
 
 import pytest
@@ -80,6 +81,12 @@ def test_a_long_output_is_cut_and_an_unwritable_place_is_one_line(tmp_path):
 
     with pytest.raises(UserError, match="--record .*file: not a directory"):
         SessionLog(tmp_path / "file")
+    with pytest.raises(UserError, match="--record .*file/sessions: cannot be written"):  # before an episode, not after
+        SessionLog(tmp_path / "file" / "sessions").check()
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # (root writes anyway)
+        with pytest.raises(UserError, match="--record .*locked/s: cannot be written"):
+            SessionLog(tmp_path / "locked" / "s").check()
 
 
 @pytest.mark.slow

@@ -184,7 +184,8 @@ def test_attach_survives_every_record_of_runs_whose_kl_is_null(tmp_path, fields)
 
 
 def test_attach_survives_records_with_null_and_missing_fields(tmp_path):
-    """Every record kind, with its optional fields null or left out: nothing the run writes kills the app."""
+    """Every record kind, with its optional fields null or left out, and lines that are no record at all: nothing
+    in a metrics file kills the app."""
     from localrl.config import TrainConfig, to_toml
     from localrl.runs import Run
 
@@ -198,7 +199,10 @@ def test_attach_survives_records_with_null_and_missing_fields(tmp_path):
                {"kind": "train", "step": 2, "reward_mean": None, "accuracy": 0.5, "rewards": {}},
                {"kind": "warning", "message": "no learning signal"}, {"kind": "checkpoint"},
                {"kind": "train", "step": 3, "reward_mean": 1.0, "kl": 0.01, "ece": None}]
-    Run(run_dir).metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    damaged = [b"\xff\xfe not UTF-8", b"5", b"[1,2]", b'{"step": "two", "rewards": 5}', b'{"kind": "train", "step": "two"}',
+               b'{"kind": "train", "step": 4, "reward_mean": "high"}', b'{"kind": 7}']  # the probe's lines
+    lines = [json.dumps(r).encode() for r in records]
+    Run(run_dir).metrics_path.write_bytes(b"\n".join(lines[:4] + damaged + lines[4:]) + b"\n")
 
     async def go():
         app = LocalRLApp(attach=run_dir, data_dir=tmp_path / "data")

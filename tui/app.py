@@ -90,9 +90,12 @@ class LocalRLApp(App):
         self.model_status = status
 
 
-def run_tui(attach: str | None = None, model: str | None = None, workdir: str = ".", runs_dir: str = "runs") -> None:
+def run_tui(attach: str | None = None, model: str | None = None, workdir: str = ".", runs_dir: str = "runs") -> int:
+    """Run the app until it is quit; its exit status (Textual's: 1 if it stopped on an exception it showed)."""
     if attach is not None:
         Run.open(attach, "attach")
     if not Path(workdir).is_dir():
         raise UserError(f"workdir {workdir}: no such directory")
-    LocalRLApp(attach=attach, model=model, workdir=workdir, runs_dir=runs_dir).run()
+    app = LocalRLApp(attach=attach, model=model, workdir=workdir, runs_dir=runs_dir)
+    app.run()
+    return app.return_code or 0

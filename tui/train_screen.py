@@ -9,7 +9,6 @@ the metrics file since the last tick; ``--attach RUN_DIR`` watches a run started
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -28,7 +27,7 @@ from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, R
 
 from localrl.config import TrainConfig, build_config, flag_name, parse_overrides
 from localrl.errors import UserError
-from localrl.metrics import eta_seconds, format_duration
+from localrl.metrics import eta_seconds, format_duration, parse_record
 from localrl.runs import Run, is_run
 from localrl.tui.widgets import REDRAW_INTERVAL, MetricChart
 
@@ -110,11 +109,7 @@ class MetricsFollower:
             chunk = f.read()
         complete = chunk[:chunk.rfind(b"\n") + 1]  # a half-written last line waits for the next tick
         self.offset += len(complete)
-        for line in complete.decode("utf-8").splitlines():
-            try:
-                self.records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        self.records += [r for line in complete.splitlines() if (r := parse_record(line)) is not None]
         return bool(complete)
 
 

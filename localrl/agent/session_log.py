@@ -105,6 +105,14 @@ class SessionLog:
             raise UserError(f"--record {directory}: not a directory")
         self.path = self.directory / FILE
 
+    def check(self) -> None:
+        """That episodes can be written here, found before an episode starts rather than after it (one line)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        except OSError as e:
+            raise UserError(f"--record {self.directory}: cannot be written ({e.strerror or e})") from None
+
     def begin(self, task: str, model: str, workdir: str | Path) -> Episode:
         return Episode(task, str(model), str(workdir), secret_values())
 

@@ -16,7 +16,7 @@ from localrl.serving.limits import RequestLimits
 def cmd_serve(args: argparse.Namespace) -> int:
     from localrl.serving.serve import api_key_from, serve
 
-    key = api_key_from(args.api_key, args.api_key_file)
+    key = api_key_from(args.api_key, args.api_key_file, warn=lambda line: print(f"localrl: {line}", file=sys.stderr))
     if args.api_key is not None:
         print("localrl: warning: --api-key is visible to other users in the process list; prefer --api-key-file "
               "PATH or the LOCALRL_API_KEY environment variable", file=sys.stderr)
@@ -64,10 +64,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from localrl.serving.chat import open_chat_model
 
     check_workdir(args.workdir, args.force_workdir)
-    if args.max_turns < 1 or args.max_tokens < 1 or args.timeout <= 0:
-        raise UserError("agent: --max-turns, --max-tokens and --timeout must be positive")
+    if args.max_turns < 1 or args.max_tokens < 1 or not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError(f"agent: --max-turns, --max-tokens and --timeout must be positive numbers (got --timeout "
+                        f"{args.timeout})")
     system = agent_system(args.system, args.source)
     log = SessionLog(record_directory(args.record, args.source)) if args.record else None
+    if log is not None:
+        log.check()  # before the episode, not after it
     revise = None
     if args.follow_edits:
         from localrl.agent.edit_rules import EditRules

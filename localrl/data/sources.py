@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import regex
+
 from localrl.config import BUILTIN_TASKS
 from localrl.data.jsonl import check_prompt, json_objects
 from localrl.errors import UserError
@@ -46,14 +48,17 @@ class Columns:
                    cfg.eval_split)
 
 
+USER_REGEX_SECONDS = 1.0  # a user's pattern on one text: catastrophic backtracking stops here, in one line
+
+
 def check_answer_format(fmt: str) -> str | None:
     """Why ``fmt`` is not an answer format (None when it is one)."""
     if fmt in ANSWER_FORMATS:
         return None
     if fmt.startswith("regex:"):
         try:
-            re.compile(fmt.removeprefix("regex:"))
-        except re.error as e:
+            regex.compile(fmt.removeprefix("regex:"))
+        except regex.error as e:
             return f"regex {fmt.removeprefix('regex:')!r} does not compile ({e})"
         return None
     return "must be empty (the answer as it is), gsm8k, last-number or regex:PATTERN"
@@ -69,10 +74,17 @@ def extract_answer(text: str, fmt: str) -> str | None:
     if fmt == "last-number":
         found = _NUMBER.findall(text)
         return found[-1].replace(",", "") if found else None
-    match = re.search(fmt.removeprefix("regex:"), text)
+    pattern = fmt.removeprefix("regex:")
+    try:  # (the regex module: Python's re has no time limit)
+        match = regex.search(pattern, text, timeout=USER_REGEX_SECONDS)
+    except TimeoutError:
+        raise UserError(f"answer format regex:{pattern}: took over {USER_REGEX_SECONDS:g} s on one answer of "
+                        f"{len(text)} characters (nested repeats backtrack without end); simplify the pattern",
+                        field="answer_format") from None
     if match is None:
         return None
-    return (match.group(1) if match.groups() else match.group(0)).strip()
+    found = match.group(1) if match.groups() else match.group(0)
+    return found.strip() if found is not None else None  # (an optional group that did not take part: none)
 
 
 def is_file_source(data: str) -> bool:

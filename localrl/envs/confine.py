@@ -24,8 +24,9 @@
    (``-`` keeps the caller's), so nothing in the command holds a capability; then the seccomp
    filter.
 
-Landlock (``landlock`` level, ABI 5 or later, else the level is refused): files can be read only
-under the system directories and WORKDIR; written only in WORKDIR and /dev/null, /dev/zero,
+Landlock (``landlock`` level, ABI 5 or later, else the level is refused): files can be read and
+directories listed only under the system directories and WORKDIR (``stat`` of a path is no Landlock right:
+it works anywhere the user may look); written only in WORKDIR and /dev/null, /dev/zero,
 /dev/full; no device ioctls outside WORKDIR; no TCP bind or connect; signals and abstract Unix
 sockets scoped to the sandbox (ABI 6+).
 
@@ -94,6 +95,7 @@ CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | 
 S_IFMT, S_IFCHR, S_IFBLK = 0o170000, 0o020000, 0o060000
 AF_UNIX, AF_VSOCK, EPERM, EACCES, ENOSYS = 1, 40, 1, 13, 38
 NOBODY_UID = 65534
+EPISODE_UIDS = range(0x7F000000, 0x7F000000 + 4096)  # an episode's own user each (episode_user.py): owns nothing else
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 
@@ -193,13 +195,13 @@ def landlock(libc, workdir: str) -> None:
     abi = landlock_abi(libc)
     if abi < LANDLOCK_MIN_ABI:
         raise OSError(f"Landlock ABI {abi} < {LANDLOCK_MIN_ABI} (no device-ioctl rule)")
-    fs = READ_FILE | MODIFY | REFER | TRUNCATE | IOCTL_DEV
+    fs = READ_FILE | READ_DIR | MODIFY | REFER | TRUNCATE | IOCTL_DEV
     fields = [fs, 3] + ([3] if abi >= 6 else [])  # net: bind+connect TCP; scope: abstract unix + signals
     attr = struct.pack(f"{len(fields)}Q", *fields)
     ruleset = libc.syscall(nr(SYSCALLS, "landlock_create_ruleset"), ctypes.create_string_buffer(attr, len(attr)),
                            len(attr), 0)
     check(ruleset, "landlock_create_ruleset")
-    rules = [(path, READ_FILE) for path in READABLE if os.path.isdir(path)]
+    rules = [(path, READ_FILE | READ_DIR) for path in READABLE if os.path.isdir(path)]
     rules += [(f"/dev/{name}", access) for name, access in DEVICES.items() if os.path.exists(f"/dev/{name}")]
     rules.append((workdir, fs))
     for path, access in rules:
@@ -338,9 +340,10 @@ def supervise(libc, level: str, workdir: str, uid: int | None, gid: int | None, 
 
     signal.signal(signal.SIGTERM, on_term)
     stays_root = (uid is None and os.geteuid() == 0) or uid == 0
-    # Landlock has no right for metadata: a command that may own files outside (anyone but nobody)
-    # gets no chmod/chown/utimes/xattr at all; on the process level, only one that stays root.
-    no_metadata = level == "landlock" and uid != NOBODY_UID or level == "process" and stays_root
+    # Landlock has no right for metadata: a command that may own files outside (anyone but nobody or an
+    # episode's own user) gets no chmod/chown/utimes/xattr at all; on the process level, only one that stays root.
+    owns_nothing = uid == NOBODY_UID or uid in EPISODE_UIDS
+    no_metadata = level == "landlock" and not owns_nothing or level == "process" and stays_root
     command = [resolve(command[0]), *command[1:]]
     pid = os.fork()
     if pid == 0:

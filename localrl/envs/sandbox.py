@@ -10,14 +10,15 @@ Every level gets:
 - no capabilities: an empty bounding set and ``no_new_privs`` before the command's exec, and a
   seccomp filter (no TIOCSTI, device nodes, mounts, new namespaces, ptrace, io_uring, BPF,
   keyrings, modules; ``localrl/envs/confine.py`` has the list);
-- who runs it: started as root, the command runs as the working directory's owner, or as
-  ``nobody`` in a working directory the sandbox was told is its own (``private_workdir``, the
-  shell environment's episodes, handed to nobody); a root-owned directory it was not given
-  (``localrl agent --workdir`` as root) keeps uid 0 without capabilities;
+- who runs it: started as root, the command runs as the working directory's owner, or as a user
+  of its own in a working directory the sandbox was told is its own (``private_workdir``, the shell
+  environment's episodes: ``episode_user``, a uid no account and no other live episode has, so that
+  episodes side by side cannot touch each other's directories); a root-owned directory it was not
+  given (``localrl agent --workdir`` as root) keeps uid 0 without capabilities;
 - a cgroup per command where this process may make one (``localrl/envs/cgroups.py``): a cap on its
   processes (``max_processes``) and on the memory of all of them together, every process it
   started killed at the end whatever it did (``setsid``, killing its parent); without one,
-  per-process ulimits (address space; process count only for ``nobody``);
+  per-process ulimits (address space; process count only for a user without an account);
 - a wall-clock timeout, then every process the command started is killed;
 - limits on CPU time, file size and open files (``ulimit``), and on the disk the working
   directory may use: its tree (unreadable directories included) plus files the command's
@@ -52,6 +53,7 @@ for commands a person has approved.
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import shutil
@@ -69,11 +71,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from localrl.envs import cgroups
-from localrl.envs.confine import NOBODY_UID, root_only_files
-from localrl.envs.tree import allocated_bytes
+from localrl.envs.confine import EPISODE_UIDS, NOBODY_UID, root_only_files
+from localrl.envs.episode_user import EpisodeUser
+from localrl.envs.tree import allocated_bytes, remove_tree
 from localrl.errors import UserError
 
 LEVELS = ("bwrap", "landlock", "unshare", "process")  # strongest first
+BWRAP_COPY_PREFIX = "localrl-bwrap-"  # then the pid of the process that made the copy
 ISOLATION = ("auto", *LEVELS)  # the config field isolation's values
 CONFINE = Path(__file__).with_name("confine.py")
 NAMESPACES = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--propagation",
@@ -130,28 +134,58 @@ def reachable_by_anyone(path: str) -> bool:
 @lru_cache(maxsize=None)
 def bwrap_for_others() -> str | None:
     """A ``bwrap`` that another user can execute: the wheel's may lie in root's home (mode 700);
-    then a copy in a fresh root-owned directory."""
+    then a copy in a fresh directory of ours, removed when this process exits (and, if it was killed, by the next
+    process that makes one)."""
     found = bwrap_binary()
     if found is None or reachable_by_anyone(found):
         return found
-    copy = Path(tempfile.mkdtemp(prefix="localrl-bwrap-")) / "bwrap"
+    _sweep_bwrap_copies()
+    folder = Path(tempfile.mkdtemp(prefix=f"{BWRAP_COPY_PREFIX}{os.getpid()}-"))
+    atexit.register(remove_tree, folder)
+    copy = folder / "bwrap"
     shutil.copyfile(found, copy)
     copy.chmod(0o755)
-    copy.parent.chmod(0o755)
+    folder.chmod(0o755)
     return str(copy)
 
 
-def command_user(workdir: Path, private_workdir: bool) -> User:
-    """Who runs the commands (see the module docstring); hands a private workdir to nobody."""
+def _sweep_bwrap_copies() -> None:
+    """Remove the bwrap copies of our own processes that are gone (killed before their exit handlers ran)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{BWRAP_COPY_PREFIX}*-*"):
+        pid = path.name[len(BWRAP_COPY_PREFIX):].split("-")[0]
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
+                and not Path(f"/proc/{pid}").exists():
+            remove_tree(path)
+
+
+def command_user(workdir: Path, private_workdir: bool) -> tuple[User, EpisodeUser | None]:
+    """Who runs the commands (see the module docstring), and the claim on an episode's own user; hands a private
+    workdir to that user."""
     if os.geteuid() != 0:
-        return None
+        return None, None
     owner = workdir.stat()
     if owner.st_uid != 0:
-        return owner.st_uid, owner.st_gid
+        return (owner.st_uid, owner.st_gid), None
     if private_workdir and reachable_by_anyone(str(workdir.parent)):
-        hand_over(workdir, NOBODY)
-        return NOBODY
-    return None
+        claim = EpisodeUser()
+        hand_over(workdir, claim.ids)
+        workdir.chmod(0o700)  # the episode's alone: no other episode's user may list or enter it
+        return claim.ids, claim
+    return None, None
+
+
+def stays_root(user: User) -> bool:
+    """Whether a command run for ``user`` keeps uid 0 (without capabilities)."""
+    return user == (0, 0) or (user is None and os.geteuid() == 0)
+
+
+def unprivileged(user: User) -> bool:
+    """Whether ``user`` is nobody or an episode's own user: no account, no files outside its working directory."""
+    return user is not None and (user == NOBODY or user[0] in EPISODE_UIDS)
 
 
 def hand_over(root: Path, user: tuple[int, int]) -> None:
@@ -165,6 +199,8 @@ def hand_over(root: Path, user: tuple[int, int]) -> None:
 def describe_user(user: User) -> str:
     if user is None:
         return "root without capabilities" if os.geteuid() == 0 else "the caller's user"
+    if user[0] in EPISODE_UIDS:
+        return f"the episode's own user (uid {user[0]})"
     return "nobody" if user == NOBODY else f"uid {user[0]}"
 
 
@@ -211,6 +247,10 @@ def default_user() -> User:
 def level_works(level: str, user: User | str = "default") -> bool:
     """Whether ``level`` can run a command here as ``user`` (probed once per process)."""
     user = default_user() if user == "default" else user
+    if level == "process" and stays_root(user):
+        return False  # uid 0 without capabilities still owns every root-owned file, its cgroup's included
+    if unprivileged(user):
+        user = NOBODY  # (probed once for every user without an account: an episode's own is no different)
     if level == "bwrap" and bwrap_binary() is None or level == "unshare" and shutil.which("unshare") is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,7 +266,11 @@ def level_works(level: str, user: User | str = "default") -> bool:
 
 
 def strongest_level(user: User | str = "default") -> str:
-    return next(level for level in LEVELS if level_works(level, user))
+    found = next((level for level in LEVELS if level_works(level, user)), None)
+    if found is None:
+        raise UserError(f"sandbox: no isolation level works here for {describe_user(default_user() if user == 'default' else user)} "
+                        "(the process level never runs commands as root)")
+    return found
 
 
 def disk_usage(root: Path, pids: set[int] = frozenset()) -> int:
@@ -297,7 +341,11 @@ class Sandbox:
             raise UserError("sandbox: timeout, output_limit and every limit must be positive")
         if isolation is not None and isolation not in LEVELS:
             raise UserError(f"sandbox: isolation {isolation!r} is not one of {', '.join(LEVELS)}")
-        self.user = command_user(self.workdir, private_workdir)
+        self.user, self._claim = command_user(self.workdir, private_workdir)
+        if isolation == "process" and stays_root(self.user):
+            raise UserError(f"sandbox: the process level would run commands in {self.workdir} as root (uid 0 without "
+                            "capabilities still owns every root-owned file: /etc, its own cgroup); run localrl as "
+                            "another user, or give it a directory that user owns")
         if isolation is not None and not level_works(isolation, self.user):
             raise UserError(f"sandbox: isolation level {isolation!r} does not work on this machine")
         self.isolation = isolation or strongest_level(self.user)
@@ -317,7 +365,7 @@ class Sandbox:
         return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.workdir), "LANG": "C.UTF-8", "TERM": "dumb"}
 
     def argv(self, command: str, group: cgroups.CommandGroup | None = None) -> list[str]:
-        nproc = str(self.max_processes) if group is None and self.user == NOBODY else "-"
+        nproc = str(self.max_processes) if group is None and unprivileged(self.user) else "-"
         limits = [int(self.timeout) + 1, max(1, self.max_file_bytes // 1024), self.memory_bytes // 1024,
                   self.max_open_files, nproc]
         inner = ["bash", "-c", LIMITED, "sandbox", *map(str, limits), command]

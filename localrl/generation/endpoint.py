@@ -4,7 +4,10 @@ for chat completions: the judges of training-free GRPO (``experience_judge``) an
 A model is named ``URL|MODEL`` (``http://127.0.0.1:11434/v1|qwen2.5:7b``); without ``|MODEL`` the server's first
 listed model answers, and a URL without a path gets ``/v1``. The API key, where the server wants one, comes
 from the environment: ``LOCALRL_JUDGE_API_KEY``, else ``OPENAI_API_KEY``. Requests go out concurrently, at
-most ``concurrency`` at a time, each with a ``timeout``; a connection failure, a time-out, a 429 or a 5xx is
+most ``concurrency`` at a time, each with a ``timeout`` for the whole request (connecting, sending, and every byte
+of the reply: a server that answers a byte a second is given up on all the same); the first look at the server
+(``check``) waits at most ``CHECK_TIMEOUT_S``. Requests go straight to the server, through no proxy. A connection
+failure, a time-out, a 429 or a 5xx is
 retried up to ``retries`` times with a doubling pause; any other 4xx is not. Identical requests (a completion
 that two group members share, a step asked again) are sent once: their replies are kept for the run. Every
 request, failure, retry and cached reply is counted (``take_stats``), for the step's record; a failed request
@@ -13,13 +16,13 @@ is None, never an empty reply passed off as the judge's.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ from localrl.errors import UserError
 API_KEY_VARIABLES = ("LOCALRL_JUDGE_API_KEY", "OPENAI_API_KEY")
 RETRY_PAUSE_S = 0.5  # before the first retry; doubled before each next one
 CACHE_LIMIT = 50_000  # replies kept (a long run's worth of distinct requests)
+CHECK_TIMEOUT_S = 10.0  # the first look at the server: a start that hangs on a dead endpoint says so in seconds
 
 
 def is_endpoint(spec: str) -> bool:
@@ -87,11 +91,12 @@ class Endpoint:
         if self._checked:
             return
         try:
-            listed = self._call("GET", "/models", None, self.settings.timeout)
+            listed = self._call("GET", "/models", None, min(self.settings.timeout, CHECK_TIMEOUT_S))
         except _Failed as e:
             raise UserError(f"config field {self.field}: the {self.role} at {self.base} does not answer ({e}); start the "
                             f"server or fix the URL", field=self.field) from None
-        ids = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else []
+        data = listed.get("data") if isinstance(listed, dict) else None  # (a list of models; anything else: none)
+        ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         if not self.model:
             if not ids:
                 raise UserError(f"config field {self.field}: {self.base} lists no model; name one as URL|MODEL",
@@ -158,31 +163,54 @@ class Endpoint:
         return None
 
     def _call(self, method: str, path: str, body: dict | None, timeout: float):
+        """One request's parsed JSON reply, given at most ``timeout`` seconds in all; else ``_Failed``."""
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.key}"} if self.key else {})
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
+        parts = urllib.parse.urlsplit(self.base + path)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=timeout)
+        expired = threading.Event()
+
+        def expire() -> None:  # wakes a read blocked on a server that sends its reply a byte at a time
+            expired.set()
+            if connection.sock is not None:
+                try:
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(timeout, expire)
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                text = response.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as e:
-            detail = _error_message(e)
-            raise _Failed(f"HTTP {e.code}{': ' + detail if detail else ''}",
-                          retry=e.code == 429 or e.code >= 500) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise _Failed(str(reason) or type(reason).__name__, retry=True) from None
+            connection.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), data, headers)
+            response = connection.getresponse()
+            status, raw = response.status, response.read()
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set() or isinstance(e, TimeoutError):
+                raise _Failed(f"no whole reply within {timeout:g} s", retry=True) from None
+            raise _Failed(str(e) or type(e).__name__, retry=True) from None
+        finally:
+            watchdog.cancel()
+            connection.close()
+        if expired.is_set():
+            raise _Failed(f"no whole reply within {timeout:g} s", retry=True)
+        text = raw.decode("utf-8", "replace")
+        if status >= 400:
+            detail = _error_message(text)
+            raise _Failed(f"HTTP {status}{': ' + detail if detail else ''}", retry=status == 429 or status >= 500)
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             raise _Failed("a reply that is not JSON", retry=False) from None
 
 
-def _error_message(e: urllib.error.HTTPError) -> str:
+def _error_message(text: str) -> str:
     """The message of an OpenAI-style JSON error body, on one line (empty if there is none)."""
     try:
-        payload = json.loads(e.read().decode("utf-8", "replace"))
+        payload = json.loads(text)
         message = payload.get("error", {}).get("message", "") if isinstance(payload.get("error"), dict) \
             else str(payload.get("error") or payload.get("detail") or "")
-    except (ValueError, AttributeError, OSError):
+    except (ValueError, AttributeError):
         return ""
     return " ".join(str(message).split())[:200]

@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -749,18 +750,44 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+MAX_KEY_FILE_BYTES = 4096  # a key file holds one key
+
+
+def read_secret_file(path: str | Path, where: str, warn: Callable[[str], Any] = print) -> str:
+    """The text of a file that holds a secret: a regular file (a FIFO would block, a device never end) of at most
+    ``MAX_KEY_FILE_BYTES``, opened without blocking; a warning if other users may read it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise UserError(f"{where}: cannot read it ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{where}: not a regular file (a FIFO, device or directory cannot hold a key)")
+        if st.st_size > MAX_KEY_FILE_BYTES:
+            raise UserError(f"{where}: {st.st_size} bytes; a key file holds one key (at most {MAX_KEY_FILE_BYTES})")
+        data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        warn(f"warning: {where} can be read by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+             f"chmod 600 {path}")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not text") from None
+
+
 def api_key_from(key: str | None = None, key_file: str | Path | None = None,
-                 environ: Mapping[str, str] | None = None) -> str | None:
-    """The API key to require: ``key``, else the contents of ``key_file``, else $LOCALRL_API_KEY, else None."""
+                 environ: Mapping[str, str] | None = None, warn: Callable[[str], Any] = print) -> str | None:
+    """The API key to require: ``key``, else the contents of ``key_file`` (``read_secret_file``), else
+    $LOCALRL_API_KEY, else None."""
     if key is not None and key_file is not None:
         raise UserError("serve: give --api-key or --api-key-file, not both")
     where = "--api-key"
     if key_file is not None:
         where = f"--api-key-file {key_file}"
-        try:
-            key = Path(key_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"serve {where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        key = read_secret_file(key_file, f"serve {where}", warn).strip()
     elif key is None:
         key, where = (os.environ if environ is None else environ).get(API_KEY_ENV) or None, API_KEY_ENV
         if key is None:
@@ -803,9 +830,9 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         raise UserError(f"serve: {e}") from None
     cors_origins = tuple(_cors_origin(o) for o in cors_origins)
     for name in allowed_hosts:
-        if not name.strip() or any(c in name for c in "/@ \t") or not _host_name(name):
-            raise UserError(f"serve --allowed-host {name!r}: must be a host name such as myhost.lan (no scheme or "
-                            "path)")
+        if not name.strip() or any(c in name for c in "/@ \t*?[]") or not _host_name(name):
+            raise UserError(f"serve --allowed-host {name!r}: must be a host name such as myhost.lan (no scheme, path "
+                            "or wildcard: name each host)")
     if not is_loopback(host):  # checked before anything binds
         if not api_key and not insecure:
             raise UserError(f"serve: --host {host} is reachable from other machines: require a key "
