@@ -31,6 +31,17 @@ def test_the_rules_of_one_edit():
     assert rules_of_edit("sudo ls", "ls") == [Rule("sudo", ("sudo",), ())]
 
 
+def test_edits_of_two_changes_and_a_prefix_with_an_insert_give_the_rules_written_here():
+    """Each change's tool is the proposed line's, wherever the edit moved the words (read from the edited line, the
+    wc rule was lost and the second edit raised IndexError)."""
+    assert rules_of_edit("head -n 3 a.txt | wc", "head --lines=3 a.txt | wc -l") == [
+        Rule("head", ("-n", f"{SLOT}1"), (f"--lines={SLOT}1",)), Rule("wc", ("wc",), ("wc", "-l"))]
+    assert rules_of_edit("ls", "timeout 5 ls -la") == [Rule(None, (), ("timeout", "5")),
+                                                      Rule("ls", ("ls",), ("ls", "-la"))]
+    assert rules_of_edit("cat a | sort | uniq", "cat a | sort -r | uniq -c") == [
+        Rule("sort", ("sort",), ("sort", "-r")), Rule("uniq", ("uniq",), ("uniq", "-c"))]
+
+
 def test_a_rule_applies_where_it_matches_once_and_only_in_its_tool():
     slot = Rule("head", ("-n", f"{SLOT}1"), (f"--lines={SLOT}1",))
     assert apply_rule(slot, "head -n 7 x | tail -n 2") == "head --lines=7 x | tail -n 2"

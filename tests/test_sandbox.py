@@ -701,3 +701,12 @@ def test_the_process_level_refuses_root_and_no_command_leaves_its_cgroup(tmp_pat
                          f"(setsid sleep {marker} &); echo DONE")
         assert "DONE" in result.output
         assert processes_running(marker) == [], (level, result.output)
+
+
+def test_the_levels_this_machine_must_offer_all_work():
+    """A level that stops working here would turn its tests into skips; the machines CI runs on name the levels
+    they offer (.ci/run sets LOCALRL_EXPECT_LEVELS), so one that stops working fails instead."""
+    expected = [level for level in os.environ.get("LOCALRL_EXPECT_LEVELS", "").split(",") if level]
+    if not expected:
+        pytest.skip("LOCALRL_EXPECT_LEVELS names no level this machine must offer")
+    assert [level for level in expected if not level_works(level)] == []

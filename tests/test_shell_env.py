@@ -265,6 +265,24 @@ def test_a_users_verifier_sees_no_link_out_and_no_fifo(tmp_path):
         env.close()
 
 
+def test_a_users_verifier_sees_no_outward_link_and_scores_at_once(tmp_path):
+    """The same attack without a FIFO: a blocked read cannot hide a leak behind the verifier's timeout (with the
+    links left in place, this scored 1.0)."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("hunter2\n")
+    env = one_task_env(lambda root, text: float((root / "guess").exists() and
+                                                (root / "guess").read_text().strip() == "hunter2"))
+    try:
+        env.reset(0)
+        env.step(expert_call(f"ln -s {secret} guess; mkdir -p d/e; ln -s {secret} d/e/deep"))
+        env.step("<answer>done</answer>")
+        started = time.monotonic()
+        assert env.reward() == 0.0 and time.monotonic() - started < 2
+        assert not os.path.lexists(env.workdir / "guess") and not os.path.lexists(env.workdir / "d/e/deep")
+    finally:
+        env.close()
+
+
 def test_a_users_verifier_that_hangs_scores_zero_and_one_that_returns_nan_stops(tmp_path, capsys):
     task = ShellTask("x", {}, lambda root, text: time.sleep(30))
     t0 = time.monotonic()
