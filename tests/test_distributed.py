@@ -157,7 +157,8 @@ def test_two_ranks_train_like_one_process_with_both_ranks_prompts_and_rank_0_alo
     # Adam moves an element by about lr (2e-3) a step; the ranks' other summation order, by far less
     _close(_adapter(two), _adapter(one), atol=2e-5)
     # one writer: the files of a run, one record per step and one checkpoint record per save
-    assert sorted(p.name for p in two.iterdir()) == ["base.json", "checkpoints", "config.toml", "metrics.jsonl"]
+    assert sorted(p.name for p in two.iterdir()) == [".lock", "base.json", "checkpoints", "config.toml",
+                                                     "metrics.jsonl"]  # (.lock: rank 0's hold on the directory)
     kinds = [r["kind"] for r in read_metrics(Run(two).metrics_path)]
     assert (kinds.count("train"), kinds.count("checkpoint")) == (3, 3)
     assert all(r["allreduce_s"] >= 0 for r in read_metrics(Run(two).metrics_path) if r["kind"] == "train")

@@ -624,7 +624,7 @@ def test_a_directory_swapped_for_a_link_mid_walk_is_neither_entered_nor_changed(
     victim.chmod(0o700)
     swapped = []
 
-    def swap(fd, name, st, depth):  # between the walk's look at "swapped" and its entering it
+    def swap(fd, name, st, where):  # between the walk's look at "swapped" and its entering it
         if not swapped:
             os.rmdir(root / "swapped")
             os.symlink(victim, root / "swapped")
@@ -671,7 +671,7 @@ if sys.argv[1] == "hang":
 """
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None and not level_works("bwrap"), reason="no bwrap here")
+@pytest.mark.skipif(not ROOT or not level_works("bwrap"), reason="a copy is made only by root, for another user")
 def test_the_bwrap_copy_for_other_users_is_removed_at_exit_and_after_a_kill(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", MAKE_COPY, "exit"], capture_output=True, text=True, env=env)

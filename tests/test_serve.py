@@ -686,7 +686,12 @@ def test_api_key_on_the_command_line_warns_that_others_can_read_it(tmp_path):
     (["--cors-origin", "http://x.example/app"], "serve --cors-origin 'http://x.example/app': must be one origin, "
                                                 "scheme://host[:port], such as http://localhost:3000"),
     (["--allowed-host", "http://x.example"], "serve --allowed-host 'http://x.example': must be a host name such as "
-                                             "myhost.lan (no scheme or path)"),
+                                             "myhost.lan (no scheme, path or wildcard: name each host)"),
+    (["--allowed-host", "*"], "serve --allowed-host '*': must be a host name such as myhost.lan (no scheme, path or "
+                              "wildcard: name each host)"),
+    (["--api-key-file", "/dev/zero"], "serve --api-key-file /dev/zero: not a regular file (a FIFO, device or "
+                                      "directory cannot hold a key)"),
+    (["--header-timeout", "nan"], "serve: --header-timeout must be a positive number (got nan)"),
     (["--max-body-bytes", "0"], "serve: --max-body-bytes must be at least 1 (got 0)"),
     (["--api-key", "a", "--api-key-file", "k"], "serve: give --api-key or --api-key-file, not both"),
     (["--api-key-file", "/nonexistent/key"], "serve --api-key-file /nonexistent/key: cannot read it (No such file "

@@ -203,3 +203,21 @@ def test_a_served_model_that_is_no_world_model_is_one_line(tmp_path_factory, tmp
                                             r"\(.*\) is not in the world format"):
             train(small(tmp_path / "run", env=f"world:{base}", steps=1), **QUIET)
         assert not (tmp_path / "run").exists()
+
+
+def test_a_real_tree_is_read_at_any_depth_and_through_no_link(tmp_path):
+    """What the sandbox world reads after a command is the command's: a tree deeper than Python's recursion limit
+    (read with os.walk, a RecursionError) and a link to a host file (read with the trainer's rights) included."""
+    import os
+    import subprocess
+
+    secret = tmp_path / "host-secret"
+    secret.write_text("hunter2\n")
+    root = tmp_path / "work"
+    root.mkdir()
+    subprocess.run(["bash", "-c", "mkdir -p $(printf 'a/%.0s' $(seq 1100)) && echo deep > $(printf 'a/%.0s' "
+                    "$(seq 1100))f && mkdir empty"], cwd=root, check=True)
+    os.symlink(secret, root / "guess")
+    os.mkfifo(root / "fifo")
+    tree = read_tree(root)
+    assert tree == {"a/" * 1100 + "f": "deep\n", "empty/": ""}

@@ -159,7 +159,7 @@ def disarm(root: Path) -> None:
         inside = os.path.commonpath([target, real_root]) == real_root
         return inside and (os.path.isfile(target) or os.path.isdir(target))
 
-    def visit(fd: int, name: str, st: os.stat_result, depth: int) -> None:
+    def visit(fd: int, name: str, st: os.stat_result, where: str) -> None:
         mode = st.st_mode
         try:
             if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode) and stays_inside(fd, name):

@@ -23,8 +23,8 @@ from pathlib import Path
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 PIN_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OVER = 2**62  # a size that is over any quota: what cannot be measured counts as too much
-# visit(dir_fd, name, lstat of the entry, its path below the root as a tuple of names' count): called for every entry
-Visit = Callable[[int, str, os.stat_result, int], None]
+# visit(dir_fd, name, lstat of the entry, the path of its directory below the root: "" or "a/b/"): every entry
+Visit = Callable[[int, str, os.stat_result, str], None]
 
 
 class Moved(OSError):
@@ -63,8 +63,8 @@ def _open_child(fd: int, name: str, make_readable: bool) -> int | None:
         os.close(pin)
 
 
-def _entries(fd: int, depth: int, visit: Visit) -> list[str]:
-    """Visit each entry of the open directory ``fd``; the names of its subdirectories."""
+def _entries(fd: int, where: str, visit: Visit) -> list[str]:
+    """Visit each entry of the open directory ``fd`` (at ``where`` below the root); its subdirectories' names."""
     with os.scandir(fd) as it:
         names = [e.name for e in it]
     subdirs = []
@@ -73,7 +73,7 @@ def _entries(fd: int, depth: int, visit: Visit) -> list[str]:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             continue
-        visit(fd, name, st, depth)
+        visit(fd, name, st, where)
         if stat.S_ISDIR(st.st_mode):
             subdirs.append(name)
     return subdirs
@@ -89,7 +89,7 @@ def walk(root: str | Path, visit: Visit, leave: Callable[[int, str], None] | Non
         top = os.fstat(fd)
         ids = [(top.st_dev, top.st_ino)]  # the directories from the root down to the one open
         names: list[str] = []
-        todo = [_entries(fd, 1, visit)]  # per level: the subdirectories still to walk
+        todo = [_entries(fd, "", visit)]  # per level: the subdirectories still to walk
         while todo:
             if todo[-1]:
                 name = todo[-1].pop()
@@ -101,7 +101,7 @@ def walk(root: str | Path, visit: Visit, leave: Callable[[int, str], None] | Non
                 st = os.fstat(fd)
                 ids.append((st.st_dev, st.st_ino))
                 names.append(name)
-                todo.append(_entries(fd, len(todo) + 1, visit))
+                todo.append(_entries(fd, "".join(n + "/" for n in names), visit))
                 continue
             todo.pop()
             if not names:
@@ -127,7 +127,7 @@ def allocated_bytes(root: str | Path, seen: set[tuple[int, int]] | None = None, 
     for _ in range(tries):
         total, found = 0, set()
 
-        def visit(fd: int, name: str, st: os.stat_result, depth: int) -> None:
+        def visit(fd: int, name: str, st: os.stat_result, where: str) -> None:
             nonlocal total
             if (st.st_dev, st.st_ino) not in found:
                 found.add((st.st_dev, st.st_ino))
@@ -149,7 +149,7 @@ def allocated_bytes(root: str | Path, seen: set[tuple[int, int]] | None = None, 
 
 def remove_tree(root: str | Path, tries: int = 3) -> bool:
     """Remove ``root`` and everything under it; whether it is gone. Never raises."""
-    def visit(fd: int, name: str, st: os.stat_result, depth: int) -> None:
+    def visit(fd: int, name: str, st: os.stat_result, where: str) -> None:
         if not stat.S_ISDIR(st.st_mode):
             try:
                 os.unlink(name, dir_fd=fd)

@@ -37,6 +37,8 @@ import posixpath
 import stat
 from pathlib import Path
 
+from localrl.envs.tree import walk
+
 Tree = dict[str, str]  # relative path -> content ("dir/" -> "": an empty directory)
 
 NO_NEWLINE = " [no final newline]"
@@ -161,23 +163,35 @@ def _parents(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
+READ_LIMIT = 1 << 20  # bytes read of one file, as the reward check reads them
+
+
 def read_tree(root: Path) -> Tree:
-    """The tree of the real directory ``root``: its regular files (as text) and empty directories; anything else
-    (links, FIFOs) is left out, as a world model cannot see it."""
+    """The tree of the real directory ``root``: its regular files (as text, each up to ``READ_LIMIT`` bytes) and
+    empty directories; anything else (links, FIFOs) is left out, as a world model cannot see it. At any depth,
+    following no link (``tree.walk``): a command's tree is read as the sandbox's own reward check reads it."""
     tree: Tree = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        rel = "" if rel == "." else rel + "/"
-        kept = 0
-        for name in filenames + dirnames:
-            mode = os.lstat(os.path.join(dirpath, name)).st_mode
-            if stat.S_ISREG(mode):
-                tree[rel + name] = Path(dirpath, name).read_bytes().decode(errors="replace")
-                kept += 1
-            elif stat.S_ISDIR(mode):
-                kept += 1
-        if rel and not kept:
-            tree[rel] = ""
+    dirs: dict[str, int] = {}  # each directory's path: how many entries it has that the tree keeps
+
+    def visit(fd: int, name: str, st: os.stat_result, where: str) -> None:
+        if stat.S_ISDIR(st.st_mode):
+            dirs.setdefault(where + name + "/", 0)
+        elif stat.S_ISREG(st.st_mode):
+            try:
+                file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:  # gone, or a link put in its place
+                return
+            try:
+                tree[where + name] = os.read(file, READ_LIMIT).decode(errors="replace")
+            finally:
+                os.close(file)
+        else:
+            return
+        if where:
+            dirs[where] = dirs.get(where, 0) + 1
+
+    walk(root, visit)
+    tree.update({path: "" for path, kept in dirs.items() if not kept})
     return tree
 
 
