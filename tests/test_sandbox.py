@@ -339,8 +339,10 @@ def kernel_log_since(fd: int) -> str:
 def test_landlock_refuses_device_ioctls_and_tmp(tmp_path, level):
     result = sandbox(tmp_path, level, "private").run(
         "python3 -c 'import fcntl, termios; fcntl.ioctl(open(\"/dev/null\"), termios.TCGETS)' 2>&1 | tail -1; "
-        "echo x > /tmp/localrl-probe && echo TMP")
+        "echo x > /tmp/localrl-probe && echo TMP; for d in / /tmp /proc /root /home; do ls $d >/dev/null 2>&1 && "
+        "echo LISTED $d; done; ls /usr >/dev/null && echo SYSTEM")
     assert "PermissionError" in result.output and "TMP" not in result.output, result.output
+    assert "LISTED" not in result.output and "SYSTEM" in result.output, result.output  # listing: system dirs only
 
 
 @pytest.mark.parametrize("user", USERS)
