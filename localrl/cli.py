@@ -33,7 +33,7 @@ from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
 from localrl.commands.train import cmd_sft, cmd_train
 from localrl.config import FIELDS, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
-from localrl.serving.limits import RequestLimits, flag
+from localrl.serving.limits import RequestLimits
 from localrl.training.heap import return_freed_memory
 
 EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column",
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default 4 MiB)")
     p.add_argument("--n-ctx", type=int, default=0, help="context length (default 0: the model's training context)")
     for f in dataclass_fields(RequestLimits):  # what one request may make the server parse (localrl.serving.limits)
-        p.add_argument(f"--{flag(f.name)}", type=type(f.default), default=f.default,
+        p.add_argument(flag_name(f.name), type=type(f.default), default=f.default,
                        help=f"{RequestLimits.HELP[f.name]} (default {f.default})")
     p.set_defaults(func=cmd_serve)
 

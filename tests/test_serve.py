@@ -1,6 +1,7 @@
 """A real llama-cpp-python server on a loopback port, serving a GGUF exported from the built-in model."""
 
 import http.client
+import itertools
 import json
 import random
 import socket
@@ -401,35 +402,51 @@ def _vm(pid: int, field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def _send_huge_body(base: str, headers: str, chunked: bool, size: int = 50 << 20) -> tuple[float, bytes]:
-    """(seconds until the server's answer began, its first bytes) for a POST of ``size`` bytes, sent by a thread
-    for as long as the server takes them, while this one waits for the answer."""
+def _exchange(base: str, head: bytes, pieces=(), pause: float = 0.0, whole: bool = False) -> tuple[float, bytes]:
+    """(seconds until the server answered or closed, its first bytes; with ``whole``, all it sends within 2 s more)
+    for ``head`` sent at once, then each of ``pieces`` sent by a thread (``pause`` seconds apart) for as long as the
+    server takes them, while this one waits for the answer."""
     port = int(base.split(":")[2].split("/")[0])
     sock = socket.create_connection(("127.0.0.1", port))
-    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
     start = time.time()
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                 f"Content-Type: application/json\r\n{headers}{framing}\r\n\r\n".encode())
+    sock.sendall(head)
 
     def pump():
-        piece = b"[" * (1 << 16)
         try:
-            for _ in range(size // len(piece)):
-                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            for piece in pieces:
+                sock.sendall(piece)
+                time.sleep(pause)
         except OSError:  # the server closed the connection: it is not reading the rest
             pass
 
     sender = threading.Thread(target=pump, daemon=True)
     sender.start()
-    sock.settimeout(30)
+    sock.settimeout(40)
     try:
-        answer = sock.recv(200)
+        answer = sock.recv(400)
     except OSError as e:
         answer = repr(e).encode()
     elapsed = time.time() - start
+    sock.settimeout(2)
+    try:
+        while whole and (more := sock.recv(4000)) and len(answer) < 8000:  # the rest, for its message
+            answer += more
+    except OSError:
+        pass
     sock.close()
     sender.join(30)
     return elapsed, answer
+
+
+def _send_huge_body(base: str, headers: str, chunked: bool, size: int = 50 << 20) -> tuple[float, bytes]:
+    """``_exchange`` of a POST of ``size`` bytes, with a Content-Length or chunked."""
+    port = int(base.split(":")[2].split("/")[0])
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\n{headers}{framing}\r\n\r\n").encode()
+    piece = b"[" * (1 << 16)
+    frame = b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece
+    return _exchange(base, head, itertools.repeat(frame, size // len(piece)))
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
@@ -742,42 +759,6 @@ def test_a_long_terminal_chat_drops_its_oldest_turns_and_says_so_once(builtin_mo
 # What the second probe found: one request that killed or stalled the server. Each is answered 4xx in a second, while
 # an ordinary request is answered as usual.
 
-def _raw_exchange(base: str, head: bytes, pump: bytes = b"", seconds: float = 0.0) -> tuple[float, bytes]:
-    """(seconds until the server answered or closed, its first bytes) for ``head`` sent at once, then ``pump``
-    sent again and again (for ``seconds`` at most, one piece a second if ``seconds``; else as fast as it is taken)."""
-    port = int(base.split(":")[2].split("/")[0])
-    sock = socket.create_connection(("127.0.0.1", port))
-    start = time.time()
-    sock.sendall(head)
-
-    def send_more():
-        try:
-            while time.time() - start < (seconds or 30):
-                sock.sendall(pump)
-                if seconds:
-                    time.sleep(1)
-        except OSError:  # closed by the server
-            pass
-
-    sender = threading.Thread(target=send_more, daemon=True)
-    if pump:
-        sender.start()
-    sock.settimeout(40)
-    try:
-        answer = sock.recv(400)
-    except OSError as e:
-        answer = repr(e).encode()
-    elapsed = time.time() - start
-    sock.settimeout(2)
-    try:
-        while (more := sock.recv(4000)) and len(answer) < 8000:  # the rest of the answer, for its message
-            answer += more
-    except OSError:
-        pass
-    sock.close()
-    return elapsed, answer
-
-
 def _completion(grammar: str | None = None, **fields) -> bytes:
     return json.dumps({"prompt": "2+2=", "max_tokens": 4, **({"grammar": grammar} if grammar else {}),
                        **fields}).encode()
@@ -803,15 +784,17 @@ def test_a_request_built_to_kill_or_stall_the_server_is_refused_and_others_are_s
         return f"{post}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
     exchanges = {
-        "nested grammar": lambda: _raw_exchange(base, with_body(_completion(NESTED))),
-        "190,000 chained rules": lambda: _raw_exchange(base, with_body(_completion(CHAINED))),
-        "2,000 rules": lambda: _raw_exchange(base, with_body(_completion(RULES))),
-        "300,000 stop strings": lambda: _raw_exchange(base, with_body(_completion(
-            stop=[f"s{i}" for i in range(300000)], logit_bias={"0": -100}))),
-        "a 100 MiB head": lambda: _raw_exchange(base, f"{post}X-Big: ".encode(), b"a" * (1 << 16)),
-        "1,000 headers": lambda: _raw_exchange(base, (post + "".join(f"X-{i}: v\r\n" for i in range(1000))).encode()
-                                               + b"Content-Length: 2\r\n\r\n{}"),
-        "a head a byte a second": lambda: _raw_exchange(base, post.encode(), b"X", seconds=30),
+        "nested grammar": lambda: _exchange(base, with_body(_completion(NESTED)), whole=True),
+        "190,000 chained rules": lambda: _exchange(base, with_body(_completion(CHAINED)), whole=True),
+        "2,000 rules": lambda: _exchange(base, with_body(_completion(RULES)), whole=True),
+        "300,000 stop strings": lambda: _exchange(base, with_body(_completion(
+            stop=[f"s{i}" for i in range(300000)], logit_bias={"0": -100})), whole=True),
+        "a 100 MiB head": lambda: _exchange(base, f"{post}X-Big: ".encode(), itertools.repeat(b"a" * (1 << 16), 1600),
+                                            whole=True),
+        "1,000 headers": lambda: _exchange(base, (post + "".join(f"X-{i}: v\r\n" for i in range(1000))).encode()
+                                           + b"Content-Length: 2\r\n\r\n{}", whole=True),
+        "a head a byte a second": lambda: _exchange(base, post.encode(), itertools.repeat(b"X", 30), pause=1.0,
+                                                    whole=True),
     }
     result = {}
     attacker = threading.Thread(target=lambda: result.update(answer=exchanges[attack]()))

@@ -3,7 +3,6 @@ test_serve.py): the grammar, stop and logit-bias bounds, and the Gate's order (h
 body, read only up to its limit)."""
 
 import asyncio
-import json
 
 import pytest
 

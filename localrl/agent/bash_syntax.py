@@ -50,7 +50,6 @@ class _Word:
     started: bool = False
     quoted: bool = False
     expands: bool = False
-    at: int = 0
 
 
 def simple_commands(line: str) -> list[SimpleCommand]:
@@ -125,9 +124,8 @@ def simple_commands(line: str) -> list[SimpleCommand]:
                 raise Unsure("a here-document or here-string" if line.startswith("<<", i) else "process substitution")
             op = next(op for op in REDIRECTIONS if line.startswith(op, i))
             fd = ""
-            if word.started and not word.quoted and not word.expands and "".join(word.text).isdigit() \
-                    and word.at + len("".join(word.text)) == i:
-                fd, word = "".join(word.text), _Word()  # 2>file: the digits are the descriptor
+            if word.started and not word.quoted and not word.expands and "".join(word.text).isdigit():
+                fd, word = "".join(word.text), _Word()  # 2>file: digits right before it are the descriptor
             elif word.started and re.fullmatch(r"\{[A-Za-z_][A-Za-z0-9_]*\}", "".join(word.text)):
                 raise Unsure("a redirection to a named descriptor")
             end_word()
@@ -146,8 +144,7 @@ def simple_commands(line: str) -> list[SimpleCommand]:
             end_command(op)
             i += len(op)
         else:
-            if not word.started:
-                word.started, word.at = True, i
+            word.started = True
             if ch in "*?[{~":
                 word.expands = True
             word.text.append(ch)
@@ -190,8 +187,7 @@ def _dollar(line: str, i: int, word: _Word, quoted: bool = False) -> int:
         raise Unsure("arithmetic expansion")
     if nxt in ("'", '"') and not quoted:
         raise Unsure(f"{'$' + nxt}...{nxt} quoting")
-    if not word.started:
-        word.started, word.at = True, i
+    word.started = True
     if m := NAME.match(line, i + 1):
         word.expands = True
         word.text.append(line[i:m.end()])

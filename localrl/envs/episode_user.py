@@ -22,7 +22,7 @@ from localrl.envs.confine import EPISODE_UIDS
 
 
 class EpisodeUser:
-    """A uid that no other live episode on this machine holds, until ``release`` (or this object's end)."""
+    """A uid that no other live episode on this machine holds, for as long as this object lives (its socket)."""
 
     def __init__(self) -> None:
         start = random.randrange(len(EPISODE_UIDS))  # (a busy machine's claims are not all scanned each time)
@@ -41,6 +41,3 @@ class EpisodeUser:
     @property
     def ids(self) -> tuple[int, int]:
         return self.uid, self.uid  # its own group too
-
-    def release(self) -> None:
-        self._claim.close()

@@ -73,7 +73,7 @@ from pathlib import Path
 from localrl.envs import cgroups
 from localrl.envs.confine import EPISODE_UIDS, NOBODY_UID, root_only_files
 from localrl.envs.episode_user import EpisodeUser
-from localrl.envs.tree import allocated_bytes, remove_tree
+from localrl.envs.tree import allocated_bytes, remove_stale, remove_tree
 from localrl.errors import UserError
 
 LEVELS = ("bwrap", "landlock", "unshare", "process")  # strongest first
@@ -139,7 +139,7 @@ def bwrap_for_others() -> str | None:
     found = bwrap_binary()
     if found is None or reachable_by_anyone(found):
         return found
-    _sweep_bwrap_copies()
+    remove_stale(tempfile.gettempdir(), BWRAP_COPY_PREFIX, owner=os.geteuid())  # copies of killed processes
     folder = Path(tempfile.mkdtemp(prefix=f"{BWRAP_COPY_PREFIX}{os.getpid()}-"))
     atexit.register(remove_tree, folder)
     copy = folder / "bwrap"
@@ -147,19 +147,6 @@ def bwrap_for_others() -> str | None:
     copy.chmod(0o755)
     folder.chmod(0o755)
     return str(copy)
-
-
-def _sweep_bwrap_copies() -> None:
-    """Remove the bwrap copies of our own processes that are gone (killed before their exit handlers ran)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{BWRAP_COPY_PREFIX}*-*"):
-        pid = path.name[len(BWRAP_COPY_PREFIX):].split("-")[0]
-        try:
-            st = path.lstat()
-        except OSError:
-            continue
-        if pid.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
-                and not Path(f"/proc/{pid}").exists():
-            remove_tree(path)
 
 
 def command_user(workdir: Path, private_workdir: bool) -> tuple[User, EpisodeUser | None]:
@@ -268,8 +255,9 @@ def level_works(level: str, user: User | str = "default") -> bool:
 def strongest_level(user: User | str = "default") -> str:
     found = next((level for level in LEVELS if level_works(level, user)), None)
     if found is None:
-        raise UserError(f"sandbox: no isolation level works here for {describe_user(default_user() if user == 'default' else user)} "
-                        "(the process level never runs commands as root)")
+        who = describe_user(default_user() if user == "default" else user)
+        raise UserError(f"sandbox: no isolation level works here for {who} (the process level never runs commands "
+                        "as root)")
     return found
 
 

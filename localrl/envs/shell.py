@@ -25,7 +25,7 @@ from pathlib import Path
 from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, task_list
 from localrl.envs.sandbox import ISOLATION, Sandbox, level_works, strongest_level
-from localrl.envs.tree import remove_tree, walk
+from localrl.envs.tree import remove_stale, remove_tree, walk
 from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
                                       sample_tasks)
 from localrl.errors import UserError, failure_line
@@ -179,14 +179,7 @@ def disarm(root: Path) -> None:
 def sweep_stale_workdirs(root: str | Path | None = None) -> None:
     """Remove episode directories left by localrl processes that are gone (killed, crashed). Never raises: what
     cannot be removed stays."""
-    try:
-        found = list(Path(root or tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"))
-    except OSError:
-        return
-    for path in found:
-        pid = path.name[len(WORKDIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            remove_tree(path)
+    remove_stale(root or tempfile.gettempdir(), WORKDIR_PREFIX)
 
 
 VERIFIER_PROBE_SECONDS = 10.0  # a verifier slower than this on one episode would stall every step

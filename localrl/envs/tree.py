@@ -177,3 +177,24 @@ def remove_tree(root: str | Path, tries: int = 3) -> bool:
                 except OSError:
                     return False
     return not os.path.lexists(root)
+
+
+def remove_stale(folder: str | Path, prefix: str, owner: int | None = None) -> None:
+    """Remove the directories ``folder/PREFIX{pid}-*`` whose process is gone (killed before it could remove them),
+    only those owned by ``owner`` if given. Never raises: what cannot be removed stays."""
+    try:
+        found = list(Path(folder).glob(f"{prefix}*-*"))
+    except OSError:
+        return
+    for path in found:
+        pid = path.name[len(prefix):].split("-")[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        if owner is not None:
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != owner:
+                continue
+        remove_tree(path)

@@ -15,7 +15,8 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from localrl.serving.limits import RequestLimits, flag
+from localrl.config import flag_name
+from localrl.serving.limits import RequestLimits
 
 HEAD_END = b"\r\n\r\n"
 
@@ -84,7 +85,7 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.close()  # an idle connection: nothing to answer
 
     def _over(self, name: str, what: str, unit: str = " bytes") -> str:
-        return f"{what}: over the server's limit of {getattr(self.limits, name)}{unit} ({name}, its --{flag(name)})"
+        return f"{what}: over the server's limit of {getattr(self.limits, name)}{unit} ({name}, its {flag_name(name)})"
 
     def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
         self._disarm()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+from localrl.config import flag_name
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -42,7 +44,7 @@ class RequestLimits:
         for f in fields(self):
             value = getattr(self, f.name)
             if not (value > 0 and value != float("inf")):
-                raise ValueError(f"--{flag(f.name)} must be a positive number (got {value})")
+                raise ValueError(f"{flag_name(f.name)} must be a positive number (got {value})")
 
     def problem(self, request: dict) -> tuple[str, str] | None:
         """(parameter, message) for the first bound a completion request passes, or None."""
@@ -75,11 +77,7 @@ class RequestLimits:
         return None
 
     def _over(self, name: str, got: str) -> str:
-        return f"over the server's limit of {getattr(self, name)} ({name}, its --{flag(name)}; got {got})"
-
-
-def flag(name: str) -> str:
-    return name.replace("_", "-")
+        return f"over the server's limit of {getattr(self, name)} ({name}, its {flag_name(name)}; got {got})"
 
 
 def _response_schema(response_format) -> dict | None:
