@@ -230,14 +230,17 @@ def default_user() -> User:
     return NOBODY if os.geteuid() == 0 else None
 
 
-@lru_cache(maxsize=None)
 def level_works(level: str, user: User | str = "default") -> bool:
-    """Whether ``level`` can run a command here as ``user`` (probed once per process)."""
+    """Whether ``level`` can run a command here as ``user`` (probed once per process, and once for every user
+    without an account: an episode's own is no different from nobody)."""
     user = default_user() if user == "default" else user
     if level == "process" and stays_root(user):
         return False  # uid 0 without capabilities still owns every root-owned file, its cgroup's included
-    if unprivileged(user):
-        user = NOBODY  # (probed once for every user without an account: an episode's own is no different)
+    return _probe(level, NOBODY if unprivileged(user) else user)
+
+
+@lru_cache(maxsize=None)
+def _probe(level: str, user: User) -> bool:
     if level == "bwrap" and bwrap_binary() is None or level == "unshare" and shutil.which("unshare") is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:
