@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from localrl.generation.reserved_cache import reserve_room
+
 
 @dataclass
 class Rollout:
@@ -146,6 +148,7 @@ def sample_groups(
                 use_cache=True, logits_to_keep=1)
     # One prefill per prompt; the group shares it from here on.
     cache.batch_repeat_interleave(group_size)
+    reserve_room(cache, max_new_tokens - 1)  # written in place from here on, not copied a token
     logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [N, V]
     mask = mask.repeat_interleave(group_size, dim=0)
     next_pos = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
