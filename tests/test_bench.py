@@ -221,3 +221,50 @@ def test_bench_memory_tiny(builtin_model):
     for r in rows:
         assert r["under_budget"] and r["measured_gib"] <= r["budget_gib"]
         assert 0.75 <= r["ratio"] <= 1.25, r
+
+
+def test_bench_utilisation_counts_a_decoding_step_as_torchs_flop_counter_does(tiny_models):
+    """The FLOP formula the utilisation benchmark divides by (benchmarks/utilisation.py) equals torch's own
+    count of a decoding step: every layer's products, the adapters', attention over the cache, the head."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache
+
+    from localrl.benchmarks.utilisation import token_flops
+    from localrl.config import TrainConfig
+    from localrl.memory import ModelShape
+    from localrl.modeling import load_config, load_policy, pick_device
+
+    cfg = TrainConfig(model=str(tiny_models["qwen2"]), lora_rank=4).validate()
+    model, _ = load_policy(cfg, pick_device("cpu"), False)
+    shape = ModelShape.from_config(load_config(cfg.model)[1])
+    rows, cached = 3, 9
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 50, (rows, cached)), cache=cache, use_cache=True)
+        # attention as matrix products torch counts (its CPU flash kernel is not in the counter's table)
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+            model(input_ids=torch.randint(3, 50, (rows, 1)), position_ids=torch.full((rows, 1), cached),
+                  cache=cache, use_cache=True)
+    head = 2 * shape.hidden * shape.vocab
+    assert counter.get_total_flops() == rows * (token_flops(shape, 4, cached + 1) + head)
+
+
+@pytest.mark.slow
+def test_bench_utilisation_tiny():
+    proc = bench("utilisation", "--model-size", "tiny", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^machine: \d+ threads; 256x256 matrix product, best of 5: float32 [\d.]+ GFLOP/s; ",
+                     proc.stdout, re.M), proc.stdout
+    result = json_line(proc.stdout)
+    assert result["float32_gflops"] > 0
+    [model] = result["models"]
+    phases = {p["phase"]: p for p in model["phases"]}
+    assert list(phases) == ["rollout", "prompt forward", "completion forward", "backward", "optimizer", "step"]
+    assert math.isclose(sum(p["seconds"] for n, p in phases.items() if n != "step"), phases["step"]["seconds"])
+    for name, p in phases.items():
+        assert p["seconds"] > 0 and 0 < p["share_of_step"] <= 1
+        if name != "optimizer":
+            assert p["gflop"] > 0 and 0 < p["share_of_peak"] < 2, p  # a share of a measured peak, not a guess
+        assert re.search(rf"^{name}\s+[\d.]+\s+[\d.]+%", proc.stdout, re.M), name

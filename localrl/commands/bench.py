@@ -1,6 +1,6 @@
 """``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
 function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``,
-``localrl.benchmarks.approvals`` for ``bench approvals``, ``localrl.evaluation.world_fidelity`` for ``bench
+``localrl.benchmarks.approvals`` for ``bench approvals``, ``localrl.benchmarks.utilisation`` for ``bench utilisation``, ``localrl.evaluation.world_fidelity`` for ``bench
 world``)."""
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"bench {args.what}: --quant is for bench export")
     if args.what == "memory":
         return _bench_memory(args)
+    if args.what == "utilisation":
+        return _bench_utilisation(args)
     if args.what == "approvals":
         return _bench_approvals(args)
     if args.what == "world":
@@ -141,6 +143,26 @@ def _bench_memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     return 0 if all(r["under_budget"] for r in rows) else 1
+
+
+def _bench_utilisation(args: argparse.Namespace) -> int:
+    from localrl.benchmarks.utilisation import PEAK_N, StepSize, bench_utilisation
+
+    if args.device not in ("auto", "cpu") or args.held_out is not None:
+        raise UserError("bench utilisation: the CPU only; takes --model, --model-size, --prompts, --group, "
+                        "--prompt-len, --completion-len")
+    smoke = args.model_size == "tiny"
+    default = StepSize(1, 2, 16, 8) if smoke else StepSize()
+    given = {"prompts": args.prompts, "group": args.group, "prompt_len": args.prompt_len,
+             "completion_len": args.completion_len}
+    size = StepSize(**{k: getattr(default, k) if v is None else v for k, v in given.items()})
+    models = [args.model] if args.model else ["tiny-arith"] if smoke else ["tiny-arith", "smollm2-135m"]
+    print("utilisation benchmark: the machine's own matrix-product peak, then one GRPO step per model, phase by "
+          "phase, as FLOP/s and as a share of that peak (cpu, after a warm-up step)")
+    result = bench_utilisation(models, size, peak_n=256 if smoke else PEAK_N)
+    if args.json:
+        print(json.dumps(result))
+    return 0
 
 
 def _bench_world(args: argparse.Namespace) -> int:
