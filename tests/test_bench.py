@@ -101,6 +101,9 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
     (["approvals", "--group", "4"], "bench approvals: takes --model, --rule, --sessions"),
     (["approvals", "--held-out", "0"], "bench approvals: need --sessions, --held-out and --steps >= 1"),
     (["memory", "--model", "tiny-arith", "--budget", "12XB"], "cannot read '12XB'"),
+    (["utilisation", "--group", "1"], "bench utilisation: need --prompts, --prompt-len, --completion-len >= 1 and "
+                                      "--group >= 2"),
+    (["utilisation", "--device", "cuda"], "bench utilisation: the CPU only"),
 ])
 def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert main(["bench", *argv]) == 2
