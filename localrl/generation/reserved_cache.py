@@ -21,20 +21,21 @@ from transformers.cache_utils import DynamicLayer
 class ReservedLayer(DynamicLayer):
     """A full-attention cache layer whose keys and values are views into buffers with room to grow."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1):
         super().__init__()
         self.device = keys.device
         self.is_initialized = True
         self._room = room
-        self._hold(keys, values)
+        self._hold(keys, values, repeats)
 
-    def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``keys`` and ``values`` into fresh buffers with ``_room`` free positions after them."""
-        n = keys.shape[-2]
-        self._k = keys.new_empty(*keys.shape[:-2], n + self._room, keys.shape[-1])
-        self._v = values.new_empty(*values.shape[:-2], n + self._room, values.shape[-1])
-        self._k[..., :n, :] = keys
-        self._v[..., :n, :] = values
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor, repeats: int = 1) -> None:
+        """Copy ``keys`` and ``values``, each batch row ``repeats`` times in a row (as ``repeat_interleave``),
+        into fresh buffers with ``_room`` free positions after them: one copy, not one for each."""
+        b, n = keys.shape[0], keys.shape[-2]
+        self._k = keys.new_empty(b * repeats, *keys.shape[1:-2], n + self._room, keys.shape[-1])
+        self._v = values.new_empty(b * repeats, *values.shape[1:-2], n + self._room, values.shape[-1])
+        self._k.unflatten(0, (b, repeats))[..., :n, :] = keys[:, None]
+        self._v.unflatten(0, (b, repeats))[..., :n, :] = values[:, None]
         self.keys, self.values = self._k[..., :n, :], self._v[..., :n, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -55,17 +56,20 @@ class ReservedLayer(DynamicLayer):
         self._hold(self.keys, self.values)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._hold(self.keys, self.values)
+        if self.get_seq_length() > 0:
+            self._hold(self.keys, self.values, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._hold(self.keys, self.values)
 
 
-def reserve_room(cache, tokens: int) -> None:
-    """Give each full-attention layer of a filled ``DynamicCache`` room for ``tokens`` more positions
-    (other layer kinds, such as sliding windows, are left as they are)."""
+def reserve_room(cache, tokens: int, repeats: int = 1) -> None:
+    """Give each full-attention layer of a filled ``DynamicCache`` room for ``tokens`` more positions, each
+    batch row repeated ``repeats`` times as ``batch_repeat_interleave`` does, in the same copy (other layer
+    kinds, such as sliding windows, are only repeated)."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
-            cache.layers[i] = ReservedLayer(layer.keys, layer.values, tokens)
+            cache.layers[i] = ReservedLayer(layer.keys, layer.values, tokens, repeats)
+        elif repeats > 1:
+            layer.batch_repeat_interleave(repeats)

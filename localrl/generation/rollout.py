@@ -146,9 +146,9 @@ def sample_groups(
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=1)
-    # One prefill per prompt; the group shares it from here on.
-    cache.batch_repeat_interleave(group_size)
-    reserve_room(cache, max_new_tokens - 1)  # written in place from here on, not copied a token
+    # One prefill per prompt, repeated for its group into room for the completions: each decoded token's
+    # keys and values are written in place from here on, not copied with the whole cache
+    reserve_room(cache, max_new_tokens - 1, repeats=group_size)
     logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [N, V]
     mask = mask.repeat_interleave(group_size, dim=0)
     next_pos = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1  # [N, 1]
