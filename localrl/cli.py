@@ -198,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-4bit", action="store_true", help="the same as --quantize none")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="the device to plan for (default auto: this machine's: cuda if it has a GPU, else cpu); "
-                        "bf16 on cuda, fp32 on cpu; 4-bit only on cuda")
+                        "4-bit only on cuda")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="what the base computes in, as in train (auto: bfloat16 on cuda and on CPUs that multiply "
+                        "it natively, float32 on other CPUs)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
@@ -222,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: smollm2-135m and qwen2.5-0.5b shapes at budgets that make the planner split); world: the "
                    "world model, as env world:SOURCE names it (default tiny-shell-world); utilisation: a built-in "
                    "model or shape (default: tiny-arith and the smollm2-135m shape)")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="utilisation: what the step's base computes in (default auto: bfloat16 where this CPU "
+                   "multiplies it natively, else float32), measured against that dtype's peak")
     p.add_argument("--budget", action="append", help="memory: a memory budget for --model (repeatable; "
                    "default: the free memory)")
     p.add_argument("--quantize", default="none", choices=["none", "nf4"], help="memory: --model's base weights")

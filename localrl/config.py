@@ -84,6 +84,10 @@ class TrainConfig:
     quantize: str = _f("auto", "base weights: 'nf4' (4-bit, bitsandbytes; --4bit), 'none' (full precision; "
                                "--no-4bit), or 'auto': nf4 on a GPU, full precision on a CPU (4-bit decoding is "
                                "slower there) unless the memory budget or free memory needs nf4")
+    compute_dtype: str = _f("auto", "the number format the base computes in: 'auto' (bfloat16 on a GPU and on CPUs "
+                                    "that multiply it natively, AVX-512 BF16, AMX or ARM BF16; float32 elsewhere), "
+                                    "'float32' or 'bfloat16'; the adapter, its optimizer state, log-probabilities "
+                                    "and the loss are float32 under either")
     lora_rank: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / rank)")
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
@@ -348,6 +352,8 @@ class TrainConfig:
             ("threads", self.threads >= 0, "must be non-negative"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("quantize", self.quantize in ("auto", "nf4", "none"), "must be auto, nf4 or none"),
+            ("compute_dtype", self.compute_dtype in ("auto", "float32", "bfloat16"),
+             "must be auto, float32 or bfloat16"),
             ("rollout", self.rollout in ("auto", "torch", "llama.cpp"), "must be auto, torch or llama.cpp"),
             ("rollout_is", self.rollout_is == "none" or self.rollout_is in IS_MODES,
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),

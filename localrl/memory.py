@@ -222,9 +222,9 @@ def static_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: 
     return parts["weights"] + parts["optimizer"]
 
 
-def frozen_bytes(shape: ModelShape, in_4bit: bool, device) -> int:
-    """A frozen model's weights (no adapter, no optimizer), as it loads on ``device``."""
-    return static_bytes(shape, 0, in_4bit, _dtype_bytes(device))
+def frozen_bytes(shape: ModelShape, in_4bit: bool, device, compute_dtype: str = "auto") -> int:
+    """A frozen model's weights (no adapter, no optimizer), as it loads on ``device`` in ``compute_dtype``."""
+    return static_bytes(shape, 0, in_4bit, dtype_bytes(device, compute_dtype))
 
 
 def load_bytes(shape: ModelShape, lora_rank: int, in_4bit: bool, dtype_bytes: int) -> int:
@@ -339,7 +339,7 @@ class MemoryBudget:
                  judge: JudgeLoad | None = None):
         self.shape, self.cfg, self.in_4bit, self.judge = shape, cfg, in_4bit, judge
         self.torch_decodes = torch_decodes  # False: llama.cpp samples and evaluates (its memory is in ``extra``)
-        self.dtype_bytes = _dtype_bytes(device)
+        self.dtype_bytes = dtype_bytes(device, cfg.compute_dtype)
         if cfg.memory_budget:
             self.bytes, self.source = parse_bytes(cfg.memory_budget), "memory_budget"
         else:
@@ -510,8 +510,11 @@ class MemoryBudget:
 
 
 
-def _dtype_bytes(device) -> int:
-    return 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on a CPU
+def dtype_bytes(device, compute_dtype: str = "auto") -> int:
+    """Bytes per element of what the base computes in (``compute_dtype`` on ``device``, localrl/precision.py)."""
+    from localrl.precision import compute_dtype as dtype_of
+
+    return dtype_of(compute_dtype, device).itemsize
 
 
 FREE_MEMORY_ENV = "LOCALRL_FREE_MEMORY"  # a size that stands in for the free memory (tests, a shared machine)

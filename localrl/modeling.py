@@ -9,9 +9,10 @@ quant/gguf_import.py), or a hub id. The name is resolved and its config checked
 (architecture, files) before any weight is read, so a wrong name costs one clear line, not a
 traceback after a long load.
 
-Deliberate simplifications: one device (CPU or one CUDA GPU); on the CPU everything
-computes in float32, on a GPU the 4-bit layers compute in bfloat16 while the LoRA weights
-stay float32. Unsloth is imported only when ``unsloth=True``.
+Deliberate simplifications: one device (CPU or one CUDA GPU); the base computes in the run's
+``compute_dtype`` (bfloat16 on a GPU and on CPUs that multiply it natively, float32 on other CPUs:
+localrl/precision.py) while the LoRA weights stay float32. Unsloth is imported only when
+``unsloth=True``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from localrl import precision
 from localrl.errors import UserError
 from localrl.models import builtin_names, builtin_path
 
@@ -115,9 +117,10 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_base(path: str, load_in_4bit: bool, device: torch.device):
-    """The base model, frozen, with its linear layers in NF4 when ``load_in_4bit``."""
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def load_base(path: str, load_in_4bit: bool, device: torch.device, dtype: str = "auto"):
+    """The base model, frozen, with its linear layers in NF4 when ``load_in_4bit``, computing in the dtype the
+    ``compute_dtype`` setting ``dtype`` means on ``device`` (localrl/precision.py)."""
+    compute_dtype = precision.compute_dtype(dtype, device)
     # the whole model on this one device (a rank's own GPU under torchrun): never "auto", which would
     # split it across GPUs
     kwargs = {"dtype": compute_dtype, "device_map": {"": str(device)}}
@@ -262,7 +265,7 @@ def load_policy(cfg, device: torch.device, in_4bit: bool | None = None):
     from peft import LoraConfig, get_peft_model
 
     tok = load_tokenizer(path)
-    base = load_base(path, in_4bit, device)
+    base = load_base(path, in_4bit, device, cfg.compute_dtype)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=lora_targets(cfg.lora_targets), task_type="CAUSAL_LM")
     try:

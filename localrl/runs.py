@@ -336,7 +336,7 @@ class Run:
         ckpt = self._require_checkpoint()
         path, _ = load_config(cfg.model)
         tok = load_tokenizer(path)
-        base = load_base(path, in_4bit, device)
+        base = load_base(path, in_4bit, device, cfg.compute_dtype)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt))
         except Exception as e:  # a damaged adapter: one line, not a traceback

@@ -15,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # trackio reads its store's place once, at import: the tests' runs go to a folder of their own, not the user's
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="localrl-tests-trackio-")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# compute_dtype "auto" means float32 on every CPU here (bfloat16 on one that multiplies it natively otherwise): the
+# float32 tolerances hold on any machine, and the tests of bfloat16 ask for it (tests/test_precision.py)
+os.environ["LOCALRL_CPU_BFLOAT16"] = "0"
 
 from tests.helpers import ARCH_CONFIGS, make_tiny_model  # noqa: E402 (after the environment is set)
 

@@ -11,6 +11,7 @@ import torch
 from localrl.benchmarks.side_by_side import bench_model
 from localrl.errors import UserError
 from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
+from localrl.precision import resolve
 from tests.helpers import run_planned_step
 
 # config.json of two real models (sizes only; no weights are needed to plan)
@@ -48,7 +49,8 @@ def test_plan_command_reads_config_json(tmp_path):
             "--prompt-len", "4000", "--completion-len", "256", "--device", "cuda", "--budget", "12GB"]
     here = subprocess.run(args[:-4], capture_output=True, text=True)  # no --device: this machine's
     assert here.returncode == 0, here.stderr
-    assert ("bf16 (cuda)" if torch.cuda.is_available() else "fp32 (cpu) (this machine's device") in here.stdout
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert f"{device.type}, {resolve('auto', device)[1]}" in here.stdout
     proc = subprocess.run(args, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "36 layers" in proc.stdout and "predicted peak" in proc.stdout and "memory: a 12.00 GiB budget (memory_budget)" in proc.stdout

@@ -8,6 +8,7 @@ import pytest
 from localrl.envs import environment_for
 from localrl.envs.shell import ShellEnv, expert_call, solve, task_list
 from localrl.envs.shell_tasks import held_out_tasks, sample_tasks
+from localrl.envs.tree import remove_tree
 from localrl.envs.world import NO_REPLY, WorldEnv, probe
 from localrl.envs.world_format import WorldReplyError, answer, apply, parse_answer, question, read_tree, write_tree
 from localrl.envs.world_models import SandboxWorld, TorchWorld
@@ -219,5 +220,8 @@ def test_a_real_tree_is_read_at_any_depth_and_through_no_link(tmp_path):
                     "$(seq 1100))f && mkdir empty"], cwd=root, check=True)
     os.symlink(secret, root / "guess")
     os.mkfifo(root / "fifo")
-    tree = read_tree(root)
+    try:
+        tree = read_tree(root)
+    finally:  # pytest's own clean-up of its temporary directories recurses, and would fail on this tree
+        assert remove_tree(root)
     assert tree == {"a/" * 1100 + "f": "deep\n", "empty/": ""}

@@ -1,10 +1,11 @@
 """`localrl bench utilisation`: each phase of a GRPO step against the machine's own arithmetic peak.
 
 The peak is measured, not looked up: a square matrix product of ``PEAK_N`` (2048) in float32,
-and in bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX), at the thread count
-the run uses, best of several. Then one real GRPO step of a model runs phase by phase as the
-trainer runs it (torch sampling, the prompt-cache forward, the planned micro-batches and
-checkpointing, AdamW), each timed; after a warm-up step.
+and in bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX) or the step is asked to,
+at the thread count the run uses, best of several. Then one real GRPO step of a model runs phase by
+phase as the trainer runs it (torch sampling, the prompt-cache forward, the planned micro-batches
+and checkpointing, AdamW), its base computing in the run's ``compute_dtype`` (localrl/precision.py),
+each phase timed after a warm-up step and set against that dtype's peak.
 
 Each phase's useful FLOPs are counted from the model's shape with the formulas below (matrix
 products only, 2 per multiply-add; what attention masks out and what checkpointing recomputes
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from localrl import precision
 from localrl.errors import UserError
 from localrl.memory import ModelShape
 
@@ -48,14 +50,6 @@ class StepSize:
     group: int = 8  # G
     prompt_len: int = 128  # P
     completion_len: int = 48  # R
-
-
-def bf16_native() -> bool:
-    """Whether this CPU computes bfloat16 products in hardware (AVX-512 BF16 or AMX), as oneDNN reports it."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def matmul_peak(dtype: torch.dtype, n: int = PEAK_N, repeats: int = 5) -> float:
@@ -136,9 +130,11 @@ def _timed_step(model, optimizer, prompts: list[list[int]], size: StepSize, micr
     return seconds
 
 
-def bench_model(model_name: str, size: StepSize, peak: float, shapes_cache: Path | None = None, log=print) -> dict:
+def bench_model(model_name: str, size: StepSize, peak: float, shapes_cache: Path | None = None,
+                compute_dtype: str = "auto", log=print) -> dict:
     """One warm-up step and one timed step of ``model_name`` (a built-in model or a shape name, random
-    weights), full precision on the CPU; per phase: seconds, share of the step, FLOPs, FLOP/s, share of ``peak``."""
+    weights), its base unquantised, computing in ``compute_dtype``, on the CPU; per phase: seconds, share of the
+    step, FLOPs, FLOP/s, share of ``peak`` (that dtype's)."""
     from localrl.benchmarks.memory_phases import MemoryCase, model_dir
     from localrl.config import TrainConfig
     from localrl.memory import MemoryBudget
@@ -147,7 +143,8 @@ def bench_model(model_name: str, size: StepSize, peak: float, shapes_cache: Path
 
     path = model_dir(MemoryCase(model_name), shapes_cache or Path.home() / ".cache" / "localrl" / "shapes", log)
     cfg = TrainConfig(model=path, prompts_per_step=size.prompts, group_size=size.group,
-                      max_new_tokens=size.completion_len, quantize="none", beta=0.0, device="cpu").validate()
+                      max_new_tokens=size.completion_len, quantize="none", compute_dtype=compute_dtype, beta=0.0,
+                      device="cpu").validate()
     device = torch.device("cpu")
     _, config = load_config(path)
     shape = ModelShape.from_config(config)
@@ -178,24 +175,31 @@ def bench_model(model_name: str, size: StepSize, peak: float, shapes_cache: Path
             "size": size.__dict__, "micro_batch": micro_batch, "checkpointing": plan.checkpointing, "phases": phases}
 
 
-def bench_utilisation(models: list[str], size: StepSize, peak_n: int = PEAK_N, log=print) -> dict:
-    """The machine's matrix peak (float32; bfloat16 where native) and each model's step, phase by phase."""
+def bench_utilisation(models: list[str], size: StepSize, peak_n: int = PEAK_N, compute_dtype: str = "auto",
+                      log=print) -> dict:
+    """The machine's matrix peak (float32; bfloat16 where native or asked for) and each model's step computing in
+    ``compute_dtype``, phase by phase, against that dtype's peak."""
     if min(size.prompts, size.prompt_len, size.completion_len) < 1 or size.group < 2:
         raise UserError("bench utilisation: need --prompts, --prompt-len, --completion-len >= 1 and --group >= 2")
     threads = torch.get_num_threads()
+    dtype, why = precision.resolve(compute_dtype, torch.device("cpu"))
+    native = precision.native_bfloat16_cpu()
     peak32 = matmul_peak(torch.float32, peak_n)
-    native = bf16_native()
-    peak16 = matmul_peak(torch.bfloat16, peak_n) if native else None
+    peak16 = matmul_peak(torch.bfloat16, peak_n) if native or dtype == torch.bfloat16 else None
     log(f"machine: {threads} threads; {peak_n}x{peak_n} matrix product, best of 5: float32 {peak32 / 1e9:.1f} GFLOP/s; "
-        + (f"bfloat16 {peak16 / 1e9:.1f} GFLOP/s ({peak16 / peak32:.2f}x)" if native else
-           "bfloat16 not native on this CPU (no AVX-512 BF16 or AMX): not measured"))
+        + (f"bfloat16 {peak16 / 1e9:.1f} GFLOP/s ({peak16 / peak32:.2f}x)" if peak16 is not None else
+           "bfloat16 not native on this CPU (no AVX-512 BF16 or AMX): not measured")
+        + ("" if native or peak16 is None else " (not native on this CPU: converted to float32 and back)"))
+    log(f"the steps: {why}, against the {'bfloat16' if dtype == torch.bfloat16 else 'float32'} peak")
+    peak = peak16 if dtype == torch.bfloat16 else peak32
     results = []
     for name in models:
-        row = bench_model(name, size, peak32, log=log)
+        row = bench_model(name, size, peak, compute_dtype=compute_dtype, log=log)
         results.append(row)
         s = row["shape"]
-        log(f"\n{name} (hidden {s['hidden']}, {s['layers']} layers, vocab {s['vocab']}), {row['weights']}, full "
-            f"precision; {size.prompts} prompts x G={size.group}, P={size.prompt_len}, R={size.completion_len}; "
+        log(f"\n{name} (hidden {s['hidden']}, {s['layers']} layers, vocab {s['vocab']}), {row['weights']}, "
+            f"unquantised, {str(dtype).removeprefix('torch.')} compute; {size.prompts} prompts x G={size.group}, "
+            f"P={size.prompt_len}, R={size.completion_len}; "
             f"micro-batch {row['micro_batch']}, checkpointing {'on' if row['checkpointing'] else 'off'}")
         log(f"{'phase':<19} {'seconds':>8} {'of step':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'of peak':>8}")
         for p in row["phases"]:
@@ -203,5 +207,6 @@ def bench_utilisation(models: list[str], size: StepSize, peak_n: int = PEAK_N, l
             share = "-" if p["share_of_peak"] is None else f"{100 * p['share_of_peak']:.1f}%"
             log(f"{p['phase']:<19} {p['seconds']:>8.3f} {100 * p['share_of_step']:>7.1f}% {p['gflop']:>8.2f} "
                 f"{rate:>8} {share:>8}")
-    return {"threads": threads, "peak_n": peak_n, "float32_gflops": peak32 / 1e9,
+    return {"threads": threads, "peak_n": peak_n, "compute_dtype": str(dtype).removeprefix("torch."),
+            "float32_gflops": peak32 / 1e9,
             "bfloat16_gflops": None if peak16 is None else peak16 / 1e9, "models": results}

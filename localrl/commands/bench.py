@@ -150,7 +150,7 @@ def _bench_utilisation(args: argparse.Namespace) -> int:
 
     if args.device not in ("auto", "cpu") or args.held_out is not None:
         raise UserError("bench utilisation: the CPU only; takes --model, --model-size, --prompts, --group, "
-                        "--prompt-len, --completion-len")
+                        "--prompt-len, --completion-len, --compute-dtype")
     smoke = args.model_size == "tiny"
     default = StepSize(1, 2, 16, 8) if smoke else StepSize()
     given = {"prompts": args.prompts, "group": args.group, "prompt_len": args.prompt_len,
@@ -159,7 +159,7 @@ def _bench_utilisation(args: argparse.Namespace) -> int:
     models = [args.model] if args.model else ["tiny-arith"] if smoke else ["tiny-arith", "smollm2-135m"]
     print("utilisation benchmark: the machine's own matrix-product peak, then one GRPO step per model, phase by "
           "phase, as FLOP/s and as a share of that peak (cpu, after a warm-up step)")
-    result = bench_utilisation(models, size, peak_n=256 if smoke else PEAK_N)
+    result = bench_utilisation(models, size, peak_n=256 if smoke else PEAK_N, compute_dtype=args.compute_dtype)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -111,7 +111,7 @@ def evaluate_policy(cfg, run: str | Path | None = None,
         model, tok, ckpt = Run.open(run).load_adapter(device, in_4bit, cfg)
         what = f"{run} ({ckpt.name})"
     else:
-        model, what = load_base(path, in_4bit, device), cfg.model
+        model, what = load_base(path, in_4bit, device, cfg.compute_dtype), cfg.model
     if library is not None:  # a training-free GRPO run: the lessons it learned, as it gave them
         what += f" with the {len(library.lessons)} lessons of {experience or 'its experience library'}"
     if run is not None and plan.backend != "torch":  # as the run decoded: its sampler's backend

@@ -14,6 +14,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from localrl.config import TrainConfig
     from localrl.memory import MemoryBudget, choose_4bit, parse_bytes, plan_step, read_shape
+    from localrl.precision import resolve
 
     if args.group < 2 or args.prompt_len < 1 or args.completion_len < 1 or args.prompts < 1:
         raise UserError("plan: need --group >= 2 and positive --prompts, --prompt-len and --completion-len")
@@ -21,10 +22,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parse_bytes(args.budget, "budget", "plan: --budget")
     shape = read_shape(args.model)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_bytes = 2 if device == "cuda" else 4
+    dtype, why_dtype = resolve(args.compute_dtype, torch.device(device))
+    dtype_bytes = dtype.itemsize
     quantize = "none" if args.no_4bit else args.quantize
     cfg = TrainConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.completion_len,
-                      lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget).validate()
+                      lora_rank=args.lora_rank, quantize=quantize, memory_budget=args.budget,
+                      compute_dtype=args.compute_dtype).validate()
     if not args.budget:  # the update alone, as configured: no budget, not this machine's free memory
         cfg = replace(cfg, eval_size=0)
     in_4bit, why = choose_4bit(cfg, shape, args.prompt_len, torch.device(device)) if args.budget else (
@@ -32,7 +35,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"base: {why}")
     print(f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads, "
           f"vocab {shape.vocab}; {args.prompts} prompt(s) x G={args.group}, P={args.prompt_len}, "
-          f"R={args.completion_len}, {'bf16 (cuda)' if dtype_bytes == 2 else 'fp32 (cpu)'}"
+          f"R={args.completion_len}, {device}, {why_dtype}"
           + (" (this machine's device; --device cuda plans for a GPU)" if args.device == "auto" and device == "cpu"
              else ""))
     if not args.budget:

@@ -84,7 +84,7 @@ class Experience(Objective):
         check_judge_fits(judge_tok, judge_context, cfg.max_new_tokens, cfg.experience_judge_tokens,
                          f"the judge {cfg.experience_judge}")
         judge_shape = ModelShape.from_config(config)
-        weights = frozen_bytes(judge_shape, default_4bit(cfg.quantize, info.device), info.device)
+        weights = frozen_bytes(judge_shape, default_4bit(cfg.quantize, info.device), info.device, cfg.compute_dtype)
         return path, judge_load(cfg, judge_tok, judge_context, judge_shape, weights, plan.longest_prompt)
 
     def setup(self, ctx: StepContext, state: dict) -> None:
@@ -110,7 +110,8 @@ class Experience(Objective):
             self.judge = Judge(ctx.model, ctx.tok, cfg.experience_judge_tokens,
                                getattr(ctx.model.config, "max_position_embeddings", None), at_once)
             return
-        judge = load_base(ctx.extra_model_path, default_4bit(cfg.quantize, ctx.device), ctx.device)
+        judge = load_base(ctx.extra_model_path, default_4bit(cfg.quantize, ctx.device), ctx.device,
+                          cfg.compute_dtype)
         self.judge = Judge(judge, load_tokenizer(ctx.extra_model_path), cfg.experience_judge_tokens,
                            getattr(judge.config, "max_position_embeddings", None), at_once)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from localrl import precision
 from localrl.config import TrainConfig
 from localrl.data.monitors import FLAT_STEPS_WARNING, HackingMonitor, no_signal_message
 from localrl.data.rewards import RewardFn, resolve_rewards
@@ -88,6 +89,7 @@ class Preflight:
     budget: MemoryBudget  # of the whole run: memory_budget, or the memory free at start
     in_4bit: bool  # the base in 4-bit NF4 (quantize, with "auto" decided for this machine)
     why_4bit: str  # the choice in words, for the run's first lines
+    why_dtype: str  # what the base computes in (compute_dtype, with "auto" decided for this machine), in words
     extra_model_path: str = ""  # another model the objective needs ("": none)
 
     @property
@@ -132,7 +134,8 @@ def preflight(cfg: TrainConfig, resume: bool = False,
                                judge=extra_model)
     budget = MemoryBudget.for_run(planned, shape, plan.longest_prompt, device, in_4bit, plan.extra_bytes,
                                   torch_decodes=decodes, judge=extra_model)
-    return Preflight(objective, sampler, plan, device, budget, in_4bit, why, extra_path)
+    why_dtype = precision.resolve(cfg.compute_dtype, device)[1]
+    return Preflight(objective, sampler, plan, device, budget, in_4bit, why, why_dtype, extra_path)
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
@@ -169,7 +172,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
     sink = MetricsSink(None if resume or not w.is_main else run.metrics_path, listeners)
     reporter = None
     try:
-        sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.plan.why}"))
+        sink.emit(_status("load", f"loading {cfg.model} on the {device.type}: {pre.why_4bit}; {pre.why_dtype}; "
+                                   f"{pre.plan.why}"))
         for line in pre.budget.describe(pre.longest_prompt, pre.budget.cfg.max_new_tokens):
             log(line)
             if line.startswith("memory: to fit"):  # what the planner changed: in the run's record, for watchers

@@ -1,0 +1,74 @@
+"""The number format the frozen base computes in (``compute_dtype``), chosen once per run.
+
+bfloat16 halves the base's weights and activations and, where the silicon multiplies it natively,
+runs its products about twice as fast as float32: on a CUDA GPU, and on CPUs with AVX-512 BF16 or
+AMX (x86) or the BF16 extension (ARM). Elsewhere a CPU converts every bfloat16 product to float32 and
+back, which is slower than float32 itself, so "auto" keeps float32 there.
+
+Only the base computes in bfloat16. The LoRA weights, their gradients and AdamW state stay float32
+(peft keeps an adapter in float32 on a bfloat16 base), and the logits are upcast before any
+log-softmax, so log-probabilities, ratios, advantages and the loss are float32 under either choice.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from localrl.errors import UserError
+
+CHOICES = ("auto", "float32", "bfloat16")
+# "1" or "0" overrides the detection below (a CPU it misreads; the test suite sets "0", so that its float32
+# tolerances hold on every machine and only the tests that ask for bfloat16 get it)
+NATIVE_ENV = "LOCALRL_CPU_BFLOAT16"
+
+
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware: AVX-512 BF16 or AMX on x86, BF16 on ARM (or what
+    ``$LOCALRL_CPU_BFLOAT16`` says)."""
+    if os.environ.get(NATIVE_ENV) in ("0", "1"):
+        return os.environ[NATIVE_ENV] == "1"
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        known = [getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)]
+        if known:
+            return any(probe() for probe in known)
+        return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    if machine in ("aarch64", "arm64"):
+        return "bf16" in _cpu_flags()
+    return False
+
+
+def _cpu_flags() -> set[str]:
+    """The flags (x86) or features (ARM) /proc/cpuinfo lists for the first CPU; empty where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The dtype ``setting`` (one of CHOICES) means on ``device``."""
+    return resolve(setting, device)[0]
+
+
+def resolve(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(dtype, the choice in words for the run's first lines)."""
+    if setting not in CHOICES:
+        raise UserError(f"config field compute_dtype: {setting!r} is not one of {', '.join(CHOICES)}",
+                        field="compute_dtype")
+    if setting != "auto":
+        return getattr(torch, setting), f"compute_dtype = {setting}"
+    if device.type == "cuda":
+        return torch.bfloat16, "bfloat16 compute (a GPU)"
+    if native_bfloat16_cpu():
+        return torch.bfloat16, "bfloat16 compute (this CPU multiplies bfloat16 natively)"
+    return torch.float32, "float32 compute (this CPU has no native bfloat16: no AVX-512 BF16 or AMX)"
