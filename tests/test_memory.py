@@ -1,6 +1,7 @@
 """The memory planner: sizes, real model configs, and predictions checked against measured allocations."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,7 +122,7 @@ FRAGMENTING = """
 import sys, torch
 from pathlib import Path
 if sys.argv[1] == "fixed":
-    from localrl.training.heap import return_freed_memory
+    from localrl.heap import return_freed_memory
     assert return_freed_memory()
 rss = lambda: int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
 torch.empty(4 << 20).fill_(1)  # a 16 MiB block, freed: glibc raises its mmap threshold to its size
@@ -146,6 +147,63 @@ def test_freed_tensors_leave_the_process():
                                      check=True).stdout) for mode in ("default", "fixed")}
     assert kept["default"] >= 64, kept  # MiB of the 512 freed, still resident
     assert kept["fixed"] <= 8, kept
+
+
+REUSED = """
+import sys, torch
+from pathlib import Path
+from localrl.heap import return_freed_memory, reusing_heap
+assert return_freed_memory()
+rss = lambda: int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
+base = rss()
+with reusing_heap():
+    big, keep = [], []
+    for _ in range(64):
+        big.append(torch.ones(2 << 18))  # 8 MiB
+        keep.append(torch.ones(1024))
+    del big
+    inside = rss()
+    again = [torch.ones(2 << 18) for _ in range(32)]  # served from the freed blocks: no growth
+    grown = rss() - inside
+    del again
+print((inside - base) // 1024, grown // 1024, (rss() - base) // 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_decoding_reuses_the_heap_and_hands_it_back_after():
+    """Within reusing_heap (the sampler's decoding) freed 8 MiB blocks stay on the heap and are reused; on leaving,
+    the heap's free pages go back to the operating system."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    inside, grown, after = (int(x) for x in subprocess.run([sys.executable, "-c", REUSED], capture_output=True,
+                                                           text=True, check=True).stdout.split())
+    assert inside >= 64 and grown <= 64 and after <= 16, (inside, grown, after)  # MiB; 256 allocated again
+
+
+HUGE = """
+import os, sys, torch
+from localrl.heap import return_freed_memory
+if sys.argv[1] == "fixed":
+    return_freed_memory()  # after torch's import, before its first tensor, as the CLI calls it
+x = torch.ones(64 << 18)  # 64 MiB
+print(next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")) // 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists() or "[never]" in Path(
+    "/sys/kernel/mm/transparent_hugepage/enabled").read_text(), reason="transparent huge pages off or unknown")
+def test_large_tensors_fault_in_on_huge_pages():
+    """A large tensor faults in on 2 MiB pages once the heap is set up (512 times fewer page faults), and on
+    4 KiB pages where it is not (unless the kernel makes huge pages always)."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    huge = {mode: int(subprocess.run([sys.executable, "-c", HUGE, mode], capture_output=True, text=True, env=env,
+                                     check=True).stdout) for mode in ("default", "fixed")}
+    assert huge["fixed"] >= 60, huge  # MiB of the 64 on huge pages
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert huge["default"] == 0, huge
 
 
 def test_shapes_have_their_published_parameter_counts():

@@ -94,8 +94,8 @@ def test_no_import_cycles():
 LAYERS = [
     # the foundation: config, errors, the run directory, model loading, the planner, GGUF in and out
     ("localrl", "localrl.errors", "localrl.atomic", "localrl.registry", "localrl.config", "localrl.runs",
-     "localrl.metrics", "localrl.precision", "localrl.modeling", "localrl.memory", "localrl.distributed",
-     "localrl.models", "localrl.models.shapes", "localrl.quant"),
+     "localrl.metrics", "localrl.heap", "localrl.precision", "localrl.modeling", "localrl.memory",
+     "localrl.distributed", "localrl.models", "localrl.models.shapes", "localrl.quant"),
     # building blocks: prompt data and rewards, token generation, the update's maths, environments and the
     # sandbox, the agent's protocol and session, held-out scoring and plots, experiment trackers
     ("localrl.data", "localrl.generation", "localrl.policy", "localrl.envs", "localrl.agent", "localrl.evaluation",

@@ -106,7 +106,7 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     from localrl.modeling import load_config, load_policy, resolve_model
     from localrl.policy.grpo import update
     from localrl.quant.gguf_import import gguf_path, is_gguf_source
-    from localrl.training.heap import return_freed_memory
+    from localrl.heap import return_freed_memory
 
     return_freed_memory()
     device = torch.device(device_name)

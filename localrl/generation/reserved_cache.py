@@ -2,7 +2,7 @@
 
 transformers' ``DynamicLayer`` grows by ``torch.cat``: every decoded token copies the whole
 cache of every layer into a fresh tensor, O(L) work a token and, for a cache of 1 MiB or more,
-fresh pages from the C library (training/heap.py fixes its mmap threshold at 1 MiB, so each such
+fresh pages from the C library (localrl/heap.py fixes its mmap threshold at 1 MiB, so each such
 tensor is mapped, zeroed by the kernel and unmapped again). Decoding a group of 8 completions of
 100 tokens after a 1,000-token prompt copied 3.6 GB that way at the benchmark's shape.
 

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from localrl.generation.reserved_cache import reserve_room
+from localrl.heap import reusing_heap
 
 
 @dataclass
@@ -139,6 +140,13 @@ def sample_groups(
     or one per prompt (its group's completions are drawn from it alone). ``on_token(share)``, after each
     decoded token: the share of the batch's decoding done (finished completions whole, the others by tokens
     of ``max_new_tokens``), for progress within a long batch."""
+    with reusing_heap():  # decoding allocates the same sizes token after token: blocks reused, not mapped afresh
+        return _sample_groups(model, prompts, group_size, max_new_tokens, stop_ids, pad_id, temperature, generator,
+                              on_token)
+
+
+def _sample_groups(model, prompts, group_size, max_new_tokens, stop_ids, pad_id, temperature, generator,
+                   on_token) -> Rollout:
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)

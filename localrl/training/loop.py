@@ -38,7 +38,7 @@ from localrl.modeling import check_weights, load_config, load_policy, load_token
 from localrl.objectives import Objective, StepContext, objective_for
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
-from localrl.training.heap import return_freed_memory
+from localrl.heap import return_freed_memory
 from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
 
