@@ -34,8 +34,8 @@ from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
 from localrl.commands.train import cmd_sft, cmd_train
 from localrl.config import FIELDS, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
-from localrl.serving.limits import RequestLimits
 from localrl.heap import return_freed_memory
+from localrl.serving.limits import RequestLimits
 
 EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column",
                "answer_column", "answer_format", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",

@@ -75,4 +75,3 @@ def reusing_heap():
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         libc.malloc_trim(0)
-

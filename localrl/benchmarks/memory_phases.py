@@ -102,11 +102,11 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     from localrl.benchmarks.side_by_side import PeakMemory
     from localrl.config import TrainConfig
     from localrl.generation.rollout import group_generators, sample_groups, sample_in_chunks
+    from localrl.heap import return_freed_memory
     from localrl.memory import GIB, MemoryBudget, ModelShape, choose_4bit, conversion_bytes, read_shape
     from localrl.modeling import load_config, load_policy, resolve_model
     from localrl.policy.grpo import update
     from localrl.quant.gguf_import import gguf_path, is_gguf_source
-    from localrl.heap import return_freed_memory
 
     return_freed_memory()
     device = torch.device(device_name)

@@ -32,13 +32,13 @@ from localrl.data.rewards import RewardFn, resolve_rewards
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
 from localrl.errors import UserError
 from localrl.generation.rollout import stop_token_ids
+from localrl.heap import return_freed_memory
 from localrl.memory import MemoryBudget, ModelShape, check_conversion, choose_4bit
 from localrl.metrics import Listener, MetricsSink, read_metrics
 from localrl.modeling import check_weights, load_config, load_policy, load_tokenizer, pick_device
 from localrl.objectives import Objective, StepContext, objective_for
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
-from localrl.heap import return_freed_memory
 from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
 
