@@ -86,15 +86,21 @@ def _max_rel_err(ours: dict, theirs: dict) -> float:
     return max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp(min=1e-12)).item() for k in ours)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_gradient_equal_trls(builtin_model, tmp_path, loss_type):
-    model, tok = _policy(builtin_model)
+def _equal_trls(model_dir, tmp_path, loss_type: str, compute_dtype: str, loss_rel: float, loss_abs: float,
+                grad_tol: float) -> None:
+    model, tok = _policy(model_dir, compute_dtype=compute_dtype)
+    assert next(model.get_base_model().lm_head.parameters()).dtype == getattr(torch, compute_dtype)
     rollout, rewards = _rollout(len(tok), tok.pad_token_id)
     advantages = group_advantages(rewards, G)
     theirs_loss, theirs = _trl(model, tok, rollout, advantages, loss_type, tmp_path)
     ours_loss, ours = _localrl(model, rollout, advantages, loss_type, micro_batch=0)
-    assert ours_loss == pytest.approx(theirs_loss, rel=1e-5, abs=1e-7)
-    assert _max_rel_err(ours, theirs) < 1e-4
+    assert ours_loss == pytest.approx(theirs_loss, rel=loss_rel, abs=loss_abs)
+    assert _max_rel_err(ours, theirs) < grad_tol
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_gradient_equal_trls(builtin_model, tmp_path, loss_type):
+    _equal_trls(builtin_model, tmp_path, loss_type, "float32", loss_rel=1e-5, loss_abs=1e-7, grad_tol=1e-4)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
@@ -105,14 +111,7 @@ def test_under_bfloat16_compute_too(builtin_model, tmp_path, loss_type):
     on the built-in model: the losses 1e-6 apart where they do not depend on the log-probabilities' values
     (on-policy ratios are 1) and 3e-3 where they do (cispo), gradients 2.5-3.5e-2 of the largest; localrl's
     gradient in bfloat16 is 9-13e-2 from its own in float32."""
-    model, tok = _policy(builtin_model, compute_dtype="bfloat16")
-    assert next(model.get_base_model().lm_head.parameters()).dtype == torch.bfloat16
-    rollout, rewards = _rollout(len(tok), tok.pad_token_id)
-    advantages = group_advantages(rewards, G)
-    theirs_loss, theirs = _trl(model, tok, rollout, advantages, loss_type, tmp_path)
-    ours_loss, ours = _localrl(model, rollout, advantages, loss_type, micro_batch=0)
-    assert ours_loss == pytest.approx(theirs_loss, rel=1e-2, abs=1e-5)
-    assert _max_rel_err(ours, theirs) < 6e-2
+    _equal_trls(builtin_model, tmp_path, loss_type, "bfloat16", loss_rel=1e-2, loss_abs=1e-5, grad_tol=6e-2)
 
 
 @pytest.mark.parametrize("loss_type, corrected", [("grpo", False), ("dapo", True)])
