@@ -69,12 +69,18 @@ ROOT = os.geteuid() == 0
 USERS = ["private", "given"]
 
 
+def reachable(path: Path) -> Path:
+    """``path``, made reachable by other users (pytest's tmp_path is root's alone, mode 700)."""
+    for d in [path, *path.parents]:
+        if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
+            d.chmod(d.stat().st_mode | 0o011)
+    return path
+
+
 def sandbox(tmp_path, level, user, **kwargs) -> Sandbox:
     workdir = tmp_path / "work"
     workdir.mkdir(parents=True, exist_ok=True)
-    for d in [workdir.parent, *workdir.parent.parents]:  # pytest's tmp_path is root's alone (mode 700)
-        if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
-            d.chmod(d.stat().st_mode | 0o011)
+    reachable(tmp_path)
     if ROOT and level == "process" and user == "given":  # a root-owned directory would keep uid 0: refused
         with pytest.raises(UserError, match="process level would run commands in .* as root"):
             Sandbox(workdir, isolation=level, **kwargs)
@@ -87,10 +93,7 @@ def at_level(workdir: Path, level: str, **kwargs) -> Sandbox:
     handed to an episode's own user there, as the shell environment's are."""
     if not (ROOT and level == "process"):
         return Sandbox(workdir, isolation=level, **kwargs)
-    for d in [workdir, *workdir.parents]:
-        if d.is_relative_to(tempfile.gettempdir()) and d != Path(tempfile.gettempdir()):
-            d.chmod(d.stat().st_mode | 0o011)
-    return Sandbox(workdir, isolation=level, private_workdir=True, **kwargs)
+    return Sandbox(reachable(workdir), isolation=level, private_workdir=True, **kwargs)
 
 
 def as_nobody(user: str) -> bool:
@@ -612,6 +615,47 @@ def test_paths_past_path_max_count_toward_the_quota(tmp_path, level):
     result = box.run(f"for i in $(seq 18); do mkdir {name} && cd {name} || exit 1; done; "
                      "head -c 32M /dev/zero > f; sleep 2; echo FINISHED")
     assert result.over_disk and "FINISHED" not in result.output, result.output
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_an_episode_never_holds_more_than_its_quota_on_disk_where_it_has_its_own_file_system(tmp_path, level):
+    """As root with loop devices, an episode's directory is a file system of the quota's size: the long-path write
+    fails for space and never lands past the quota, however fast. Elsewhere the walk kills it (as above)."""
+    from localrl.envs import quota_fs
+
+    env = ShellEnv(task_list([generate(0, "count", 1)]), root=reachable(tmp_path), isolation=level,
+                   disk_quota=4 * 2**20, timeout=20)
+    env.reset(0)
+    workdir = env.workdir
+    assert env.own_file_system == quota_fs.possible()  # where it can be made, it is: no silent fallback
+    name = "d" * 250
+    observation, _ = env.step(expert_call(f"for i in $(seq 18); do mkdir {name} && cd {name} || exit 1; done; "
+                                          "head -c 32M /dev/zero > f; wc -c < f; echo FINISHED"))
+    if env.own_file_system:
+        assert "No space left on device" in observation and "FINISHED" in observation, observation
+        written = int(observation.split("No space left on device")[1].split()[0])
+        assert 2**20 < written < 4 * 2**20 and disk_usage(workdir) <= 4 * 2**20
+        assert "exit code 0" in env.step(expert_call("rm -r d* && echo x > y"))[0]  # room again once freed
+    else:
+        assert "disk quota" in observation and "FINISHED" not in observation, observation
+    env.close()
+    assert not workdir.exists() and str(workdir) not in Path("/proc/self/mountinfo").read_text()
+    ShellEnv(root=tmp_path).reset(0)  # the next environment starts
+
+
+@pytest.mark.skipif(not ROOT, reason="only root mounts an episode's own file system")
+def test_a_killed_processs_episode_file_system_is_unmounted_and_removed_by_the_next_sweep(tmp_path):
+    from localrl.envs import quota_fs
+
+    if not quota_fs.possible():
+        pytest.skip("no loop devices or mkfs.ext4 here: episodes are measured by the walk")
+    code = ("import os, sys; from localrl.envs.shell import ShellEnv; env = ShellEnv(root=sys.argv[1]); env.reset(0); "
+            "assert env.own_file_system; print(env.workdir, flush=True); os._exit(9)")
+    left = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    workdir = left.stdout.strip()
+    assert left.returncode == 9 and workdir in Path("/proc/self/mountinfo").read_text(), left.stderr
+    ShellEnv(root=tmp_path)
+    assert not os.path.exists(workdir) and workdir not in Path("/proc/self/mountinfo").read_text()
 
 
 def test_a_directory_swapped_for_a_link_mid_walk_is_neither_entered_nor_changed(tmp_path):

@@ -82,6 +82,7 @@ ISOLATION = ("auto", *LEVELS)  # the config field isolation's values
 CONFINE = Path(__file__).with_name("confine.py")
 NAMESPACES = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--propagation",
               "private"]
+DISK_QUOTA = 256 * 2**20  # what a command's working directory may hold, by default
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
 NOBODY = (NOBODY_UID, NOBODY_UID)
 # The command's shell sets the limits, then runs the command: $1..$5 are the limits ($5 "-": no
@@ -321,7 +322,7 @@ def _exit_waiter(proc: subprocess.Popen) -> Callable[[float], None]:
 
 class Sandbox:
     def __init__(self, workdir: str | Path, timeout: float = 30.0, output_limit: int = 16_000,
-                 max_file_bytes: int = 64 * 2**20, max_disk_bytes: int = 256 * 2**20,
+                 max_file_bytes: int = 64 * 2**20, max_disk_bytes: int = DISK_QUOTA,
                  memory_bytes: int = 2 * 2**30, max_open_files: int = 256, max_processes: int = 256,
                  isolation: str | None = None, private_workdir: bool = False):
         self.workdir = Path(workdir).expanduser().resolve()

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, task_list
-from localrl.envs.sandbox import ISOLATION, Sandbox, level_works, strongest_level
+from localrl.envs import quota_fs
+from localrl.envs.sandbox import DISK_QUOTA, ISOLATION, Sandbox, level_works, strongest_level
 from localrl.envs.tree import remove_stale, remove_tree, walk
 from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
                                       sample_tasks)
@@ -52,13 +53,16 @@ class EpisodeStats:
 
 class ShellEnv:
     def __init__(self, tasks: TaskSource | None = None, max_turns: int = 4, timeout: float = 5.0,
-                 isolation: str | None = None, output_limit: int = 1000, root: str | Path | None = None):
+                 isolation: str | None = None, output_limit: int = 1000, root: str | Path | None = None,
+                 disk_quota: int = DISK_QUOTA):
         self.tasks = tasks or generated_tasks()
         self.max_turns = max_turns
         self.timeout = timeout
         self.isolation = isolation
         self.output_limit = output_limit
         self.root = root
+        self.disk_quota = disk_quota
+        self.own_file_system = False  # the last episode's directory is a file system of the quota's size
         sweep_stale_workdirs(root)
         self.task: ShellTask | None = None
         self.workdir: Path | None = None
@@ -71,10 +75,11 @@ class ShellEnv:
         self.close()
         self.task = self.tasks(seed)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=self.root))
-        self._cleanup = weakref.finalize(self, remove_tree, self.workdir)  # also at exit, Ctrl-C included
+        self._cleanup = weakref.finalize(self, remove_workdir, self.workdir)  # also at exit, Ctrl-C included
+        self.own_file_system = quota_fs.mount(self.workdir, self.disk_quota)
         self.task.setup(self.workdir)
         self.sandbox = Sandbox(self.workdir, timeout=self.timeout, output_limit=self.output_limit,
-                               isolation=self.isolation, private_workdir=True)
+                               max_disk_bytes=self.disk_quota, isolation=self.isolation, private_workdir=True)
         self.final_text, self.stats = "", EpisodeStats()
         self._progress = None
         if isinstance(self.task.check, Check):
@@ -176,10 +181,17 @@ def disarm(root: Path) -> None:
             continue
 
 
+def remove_workdir(workdir: Path) -> bool:
+    """Remove an episode's directory, its own file system unmounted first; whether it is gone. Never raises."""
+    if quota_fs.mounted(workdir):
+        quota_fs.unmount(workdir)
+    return remove_tree(workdir)
+
+
 def sweep_stale_workdirs(root: str | Path | None = None) -> None:
-    """Remove episode directories left by localrl processes that are gone (killed, crashed). Never raises: what
-    cannot be removed stays."""
-    remove_stale(root or tempfile.gettempdir(), WORKDIR_PREFIX)
+    """Remove episode directories left by localrl processes that are gone (killed, crashed), unmounting their file
+    systems. Never raises: what cannot be removed stays."""
+    remove_stale(root or tempfile.gettempdir(), WORKDIR_PREFIX, remove=remove_workdir)
 
 
 VERIFIER_PROBE_SECONDS = 10.0  # a verifier slower than this on one episode would stall every step
@@ -304,8 +316,10 @@ def shell_environment(cfg) -> EnvSetup:
     def factory(tasks: TaskSource) -> ShellEnv:
         return ShellEnv(tasks, cfg.max_turns, cfg.env_timeout, isolation)
 
+    quota = (f"its own {DISK_QUOTA // 2**20} MiB file system" if quota_fs.possible() else
+             f"{DISK_QUOTA // 2**20} MiB, measured every 20 ms")
     common = dict(factory=factory, system=system, details={"isolation": isolation},
-                  describe=f"sandbox isolation: {isolation}", expert=solve)
+                  describe=f"sandbox isolation: {isolation}, each episode's disk {quota}", expert=solve)
     if not cfg.env_tasks:
         families = tuple(split_list(cfg.env_families)) or FAMILIES
         levels = tuple(int(lv) for lv in split_list(cfg.env_levels)) or LEVELS

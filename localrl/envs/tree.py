@@ -179,9 +179,10 @@ def remove_tree(root: str | Path, tries: int = 3) -> bool:
     return not os.path.lexists(root)
 
 
-def remove_stale(folder: str | Path, prefix: str, owner: int | None = None) -> None:
-    """Remove the directories ``folder/PREFIX{pid}-*`` whose process is gone (killed before it could remove them),
-    only those owned by ``owner`` if given. Never raises: what cannot be removed stays."""
+def remove_stale(folder: str | Path, prefix: str, owner: int | None = None,
+                 remove: Callable[[Path], object] = remove_tree) -> None:
+    """Remove (with ``remove``) the directories ``folder/PREFIX{pid}-*`` whose process is gone (killed before it
+    could remove them), only those owned by ``owner`` if given. Never raises: what cannot be removed stays."""
     try:
         found = list(Path(folder).glob(f"{prefix}*-*"))
     except OSError:
@@ -197,4 +198,4 @@ def remove_stale(folder: str | Path, prefix: str, owner: int | None = None) -> N
                 continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != owner:
                 continue
-        remove_tree(path)
+        remove(path)
