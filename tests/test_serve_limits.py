@@ -3,6 +3,7 @@ test_serve.py): the grammar, stop and logit-bias bounds, and the Gate's order (h
 body, read only up to its limit)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -111,3 +112,68 @@ def test_a_key_file_must_be_a_small_regular_file_and_a_readable_one_is_warned_ab
     assert api_key_from(key_file=key, warn=warned.append) == "sekrit" and warned == []
     key.chmod(0o644)
     assert api_key_from(key_file=key, warn=warned.append) == "sekrit" and "chmod 600" in warned[0]
+
+
+@pytest.fixture(scope="module")
+def bounded_server():
+    """uvicorn with the bounded protocol (head 0.5 s, idle 1.5 s) in front of an app that answers 200, on a free
+    port of this process."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from localrl.serving.bounded_http import bounded_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    limits = RequestLimits(header_timeout=0.5, idle_timeout=1.5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=bounded_protocol(limits), lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(5)
+    sock.close()
+
+
+def _answer(port: int, wait: float, pieces: list[bytes], pause: float) -> tuple[float, bytes]:
+    """(seconds from the first piece until the server answered or closed, what it answered) for a connection that
+    waits ``wait`` seconds, then sends ``pieces`` ``pause`` seconds apart."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        time.sleep(wait)
+        start = time.monotonic()
+        for piece in pieces:
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break
+            time.sleep(pause)
+        sock.settimeout(5)
+        answer = sock.recv(400)
+        return time.monotonic() - start, answer
+
+
+HEAD = b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"
+
+
+def test_a_slow_head_is_timed_from_its_first_byte_and_an_idle_connection_closed_without_a_word(bounded_server):
+    # a head a byte every 0.2 s, begun after a wait longer than the head's own time: a 408 at 0.5 s from its start
+    elapsed, answer = _answer(bounded_server, 0.8, [HEAD[:20], *[bytes([b]) for b in HEAD[20:]]], 0.2)
+    assert answer.startswith(b"HTTP/1.1 408") and b"header_timeout" in answer and 0.4 < elapsed < 1.0, (elapsed,
+                                                                                                          answer)
+    # the same wait, then a whole head: served
+    elapsed, answer = _answer(bounded_server, 0.8, [HEAD], 0)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    # nothing sent: closed at the idle time, with nothing answered
+    elapsed, answer = _answer(bounded_server, 0, [], 0)
+    assert answer == b"" and 1.3 < elapsed < 2.5, (elapsed, answer)

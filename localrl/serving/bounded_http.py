@@ -2,10 +2,13 @@
 
 uvicorn's default parser (httptools) takes a head of any size, and neither parser gives up on a client that
 sends its headers a byte at a time; the Gate, which checks the key, only runs once a head is complete. So the
-server runs this protocol: a head (request line and headers) over ``max_header_bytes`` is answered 431, one that
-has not arrived ``header_timeout`` seconds after the connection opened (or after the last response on a kept-alive
-connection) 408, each as JSON naming the limit's flag, and the connection is closed. h11 reads the head in
-linear time (the header count is bounded by the Gate, ``max_headers``).
+server runs this protocol: a head (request line and headers) over ``max_header_bytes`` is answered 431, one not
+complete ``header_timeout`` seconds after its first byte 408, each as JSON naming the limit's flag, and the
+connection is closed; a connection that sends no byte of a head for ``idle_timeout`` seconds (after it opened, or
+after the last response on a kept-alive one) is closed without a word. Real clients write a head at once, so its
+time is short (1 s by default) and a slow one is answered quickly; waiting for a request is a different thing and
+gets its own, longer time. h11 reads the head in linear time (the header count is bounded by the Gate,
+``max_headers``).
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._head_bytes, self._tail, self._deadline = 0, b"", None
-        self._arm()
+        self._arm(self.limits.idle_timeout, self._idle)
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float, then) -> None:
         self._disarm()
-        self._deadline = self.loop.call_later(self.limits.header_timeout, self._too_slow)
+        self._deadline = self.loop.call_later(seconds, then)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -54,11 +57,13 @@ class BoundedH11Protocol(H11Protocol):
         return self.conn.their_state is h11.IDLE
 
     def data_received(self, data: bytes) -> None:
-        if self._reading_head():
+        if self._reading_head() and data:
             room = self.limits.max_header_bytes - self._head_bytes
             if len(data) > room and HEAD_END not in self._tail + data[:max(room, 0)]:
                 return self._refuse(431, "Request Header Fields Too Large",
                                     self._over("max_header_bytes", "request line and headers"), "headers_too_large")
+            if not self._head_bytes:  # a head begins: from its first byte it has header_timeout to arrive
+                self._arm(self.limits.header_timeout, self._too_slow)
             self._head_bytes += len(data)
             self._tail = (self._tail + data)[-3:]
         super().data_received(data)
@@ -69,20 +74,22 @@ class BoundedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing():
-            self._arm()  # the next request on this connection gets its own time
+            self._arm(self.limits.idle_timeout, self._idle)  # waiting for the next request on this connection
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
 
+    def _idle(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing() and self._reading_head() and not self._head_bytes:
+            self.transport.close()  # nothing asked: nothing to answer
+
     def _too_slow(self) -> None:
         self._deadline = None
-        if self.transport.is_closing() or not self._reading_head():
-            return
-        if self._head_bytes:  # a head begun and not finished
-            return self._refuse(408, "Request Timeout", self._over("header_timeout", "request line and headers",
-                                                                   unit=" s"), "header_timeout")
-        self.transport.close()  # an idle connection: nothing to answer
+        if not self.transport.is_closing() and self._reading_head():
+            self._refuse(408, "Request Timeout", self._over("header_timeout", "request line and headers",
+                                                            unit=" s"), "header_timeout")
 
     def _over(self, name: str, what: str, unit: str = " bytes") -> str:
         return f"{what}: over the server's limit of {getattr(self.limits, name)}{unit} ({name}, its {flag_name(name)})"

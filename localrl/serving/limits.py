@@ -27,7 +27,8 @@ class RequestLimits:
     max_logit_bias: int = 1024  # logit_bias entries a request
     max_header_bytes: int = 64 * 1024  # a request line and its headers together
     max_headers: int = 100  # headers a request
-    header_timeout: float = 10.0  # seconds a request's line and headers may take to arrive
+    header_timeout: float = 1.0  # seconds a request's line and headers may take from their first byte
+    idle_timeout: float = 10.0  # seconds a connection may wait before it sends a request
 
     HELP = {"max_grammar_bytes": "largest grammar (GBNF) or JSON schema a request may send, in bytes",
             "max_grammar_depth": "deepest nesting of parentheses in a grammar",
@@ -37,7 +38,8 @@ class RequestLimits:
             "max_logit_bias": "most logit_bias entries in a request",
             "max_header_bytes": "largest request line and headers together, in bytes",
             "max_headers": "most headers in a request",
-            "header_timeout": "seconds a request's line and headers may take to arrive"}
+            "header_timeout": "seconds a request's line and headers may take to arrive, from their first byte",
+            "idle_timeout": "seconds a connection may stay open without sending a request"}
 
     def check(self) -> None:
         """Every bound positive and finite, or a ValueError naming its flag."""
