@@ -2,6 +2,6 @@
 
 import sys
 
-from localrl.cli import main
+from localrl.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

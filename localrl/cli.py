@@ -34,7 +34,7 @@ from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
 from localrl.commands.train import cmd_sft, cmd_train
 from localrl.config import FIELDS, fields_help, flag_name, split_overrides
 from localrl.errors import UserError, out_of_space
-from localrl.heap import return_freed_memory
+from localrl.heap import preload_allocator, return_freed_memory
 from localrl.serving.limits import RequestLimits
 
 EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column",
@@ -263,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+
+
+def entry() -> int:
+    """The ``localrl`` command and ``python -m localrl``: on mimalloc where its wheel is installed (the process runs
+    again, once, with it preloaded: localrl/heap.py), then ``main``. ``main`` itself is what tests call in-process."""
+    preload_allocator()
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

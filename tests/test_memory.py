@@ -183,6 +183,55 @@ def test_decoding_reuses_the_heap_and_hands_it_back_after():
     assert inside >= 64 and grown <= 64 and after <= 16, (inside, grown, after)  # MiB; 256 allocated again
 
 
+PRELOADED = """
+import os, subprocess, sys
+print("start", os.getpid(), flush=True)
+from localrl.heap import preload_allocator, running_on_mimalloc
+preload_allocator()
+child = subprocess.run(["sh", "-c", "echo ${LD_PRELOAD:-none}"], capture_output=True, text=True).stdout.split()
+print("ran", os.getpid(), running_on_mimalloc(), os.environ.get("LD_PRELOAD", "none"), *child)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the wheel is Linux's")
+def test_the_command_runs_again_once_on_mimalloc_and_its_children_on_their_own_allocator():
+    from localrl.heap import mimalloc_library
+
+    assert mimalloc_library() is not None  # a declared dependency on Linux
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCALRL_ALLOCATOR", "LD_PRELOAD")}
+    lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
+                           env=env).stdout.split("\n")
+    pid = lines[0].split()[1]
+    assert lines[:3] == [f"start {pid}", f"start {pid}", f"ran {pid} True none none"], lines
+    lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
+                           env={**env, "LOCALRL_ALLOCATOR": "glibc"}).stdout.split("\n")
+    assert lines[1] == f"ran {lines[0].split()[1]} False none none", lines
+
+
+COLLECTED = """
+import sys, torch
+from pathlib import Path
+from localrl.heap import collect, preload_allocator, return_freed_memory, reusing_heap, running_on_mimalloc
+preload_allocator()
+assert running_on_mimalloc() and return_freed_memory()
+rss = lambda: int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
+base = rss()
+with reusing_heap():
+    big = [torch.ones(2 << 16) for _ in range(256)]  # 2 MiB each
+    del big
+    kept = rss() - base  # mimalloc keeps freed pages a while for reuse
+print(kept // 1024, (rss() - base) // 1024)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the wheel is Linux's")
+def test_on_mimalloc_a_phases_freed_pages_leave_at_its_edge():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCALRL_ALLOCATOR", "LD_PRELOAD")}
+    kept, after = (int(x) for x in subprocess.run([sys.executable, "-c", COLLECTED], capture_output=True, text=True,
+                                                  check=True, env=env).stdout.split())
+    assert kept >= 64 and after <= 16, (kept, after)  # MiB of the 512 freed: kept, then handed back
+
+
 HUGE = """
 import os, sys, torch
 from localrl.heap import return_freed_memory
