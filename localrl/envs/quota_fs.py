@@ -15,6 +15,7 @@ and two system calls, not a format.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -31,14 +32,17 @@ MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 _libc = ctypes.CDLL(None, use_errno=True)
 _lock = threading.Lock()
-_templates: dict[tuple[str, int], int] = {}  # (folder, size) -> an open, unlinked, formatted image
+_templates: dict[tuple[int, int], int] = {}  # (file system, size) -> an open, unlinked, formatted image
 _broken: list[str] = []  # why this process gave up on them, once any attempt failed
 
 
 def possible() -> bool:
     """Whether this process may try: root, a loop-control device, ``mkfs.ext4``, and no earlier failure."""
-    return (os.geteuid() == 0 and not _broken and os.path.exists("/dev/loop-control")
-            and shutil.which("mkfs.ext4") is not None)
+    return os.geteuid() == 0 and not _broken and os.path.exists("/dev/loop-control") and _mkfs() is not None
+
+
+def _mkfs() -> str | None:
+    return shutil.which("mkfs.ext4", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
 
 
 def mount(workdir: Path, quota: int) -> bool:
@@ -55,7 +59,8 @@ def mount(workdir: Path, quota: int) -> bool:
         _broken.append(f"{workdir}: {e}")
         return False
     try:
-        os.rmdir(workdir / "lost+found")
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(workdir / "lost+found")
         os.chmod(workdir, 0o700)
     except OSError:
         unmount(workdir)
@@ -78,12 +83,12 @@ def unmount(path: Path) -> bool:
 
 
 def _template(folder: str, quota: int) -> int:
-    key = (folder, quota)
+    key = (os.stat(folder).st_dev, quota)  # one per file system: copies stay on it
     if key not in _templates:
         fd, name = tempfile.mkstemp(prefix=".localrl-quota-", suffix=".img", dir=folder)
         try:
             os.ftruncate(fd, quota)
-            subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal,^resize_inode",
+            subprocess.run([_mkfs() or "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal,^resize_inode",
                             "-E", "lazy_itable_init=1,root_owner=0:0", name], check=True, capture_output=True,
                            timeout=60, stdin=subprocess.DEVNULL)
         except (subprocess.SubprocessError, OSError) as e:
