@@ -125,12 +125,18 @@ def return_freed_memory() -> bool:
 
 
 def collect() -> None:
-    """At a phase's edge: hand the allocator's free pages back to the operating system now (mimalloc would keep
-    them a second for reuse; glibc's heap keeps what lies below its top)."""
-    if _mimalloc is not None:
-        _mimalloc.mi_collect(True)
-    elif _libc is not None:
-        _libc.malloc_trim(0)
+    """At a phase's edge (and before a phase's resident growth is measured): hand the allocator's free pages back
+    to the operating system now (mimalloc would keep them a second for reuse; glibc's heap keeps what lies below
+    its top)."""
+    if _mimalloc is not None or running_on_mimalloc():
+        ctypes.CDLL(None).mi_collect(True)
+        return
+    libc = _libc
+    try:
+        libc = libc or ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 @contextmanager

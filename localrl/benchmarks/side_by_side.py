@@ -23,7 +23,6 @@ is larger, since glibc's heap keeps some freed memory.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import random
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from localrl.errors import UserError
+from localrl.heap import collect
 from localrl.generation.rollout import Rollout
 from localrl.memory import reset_resident_peak, resident_bytes
 from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
@@ -72,10 +72,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
         elif self.rss:
-            try:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-            except OSError:
-                pass
+            collect()  # the allocator's free pages handed back first: what follows is the phase's own growth
             reset_resident_peak()
             self._base = resident_bytes("VmRSS")
         else:
