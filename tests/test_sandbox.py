@@ -465,7 +465,8 @@ def test_the_shell_environment_path_is_confined_too(level):
 def python_for_nobody() -> list[str] | None:
     """A command line that starts this Python's environment as another user, or None: a venv whose
     interpreter lies in root's home (mode 700) is reached through the system's Python of the same version."""
-    site_dirs = [p for p in sys.path if p.endswith("site-packages")]
+    # those that exist: cmeel.pth (from the allocator's wheel) adds one that need not
+    site_dirs = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
     for exe in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
         if os.path.exists(exe) and reachable_by_anyone(exe) and all(reachable_by_anyone(d) for d in site_dirs):
             return [exe, "-c", "import site, sys; [site.addsitedir(d) for d in sys.argv[1].split(':')]; "

@@ -127,9 +127,13 @@ def bwrap_binary() -> str | None:
 
 
 def reachable_by_anyone(path: str) -> bool:
-    """Whether every directory down to ``path`` lets others pass (and ``path`` itself, a program, run)."""
+    """Whether every directory down to ``path`` lets others pass (and ``path`` itself, a program, run); False for a
+    path that does not exist."""
     p = Path(path).resolve()
-    return all(os.stat(d).st_mode & stat.S_IXOTH for d in [p, *p.parents])
+    try:
+        return all(os.stat(d).st_mode & stat.S_IXOTH for d in [p, *p.parents])
+    except FileNotFoundError:
+        return False
 
 
 @lru_cache(maxsize=None)
