@@ -8,7 +8,7 @@ sandbox's walk (``disk_usage``, every 20 ms) still runs behind it, and is what h
 
 The image is unlinked as soon as its loop device is attached (``LO_FLAGS_AUTOCLEAR``): unmounting the directory
 frees the device and the image's blocks, and nothing is left on disk for a killed process but the mount itself,
-which the next sweep of stale directories unmounts (``release``). Images are copied from one made by
+which the next sweep of stale directories unmounts (``shell.remove_workdir``). Images are copied from one made by
 ``mkfs.ext4`` per size and process (its name unlinked too), so an episode pays a copy of a few hundred kilobytes
 and two system calls, not a format.
 """
@@ -27,8 +27,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from localrl.envs import confine
+
 LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
-MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
+MS_NOATIME = 1024
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 _libc = ctypes.CDLL(None, use_errno=True)
 _lock = threading.Lock()
@@ -152,10 +154,8 @@ def _attach(image: int, workdir: Path) -> None:
         finally:
             os.close(control)
         try:  # the mount holds the device from here; closing ours lets autoclear free it on unmount
-            if _libc.mount(f"/dev/loop{number}".encode(), os.fsencode(workdir), b"ext4",
-                           MS_NOSUID | MS_NODEV | MS_NOATIME, None) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mount: {os.strerror(err)}")
+            confine.mount(_libc, f"/dev/loop{number}", str(workdir), "ext4",
+                          confine.MS_NOSUID | confine.MS_NODEV | MS_NOATIME)
         finally:
             os.close(loop)
     finally:
