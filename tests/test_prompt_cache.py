@@ -108,6 +108,29 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_models):
     assert_same(plain, checkpointed, rollout.completion_mask)
 
 
+def test_padding_past_a_completions_end_is_never_computed(tiny_models):
+    """Completions of 1-7 tokens: the backbone sees each prompt's completions packed at their real lengths
+    (the equivalence tests above hold the results equal to the naive path), the output head completion tokens
+    only."""
+    model, rollout = lora_policy(tiny_models["llama"], four_bit=False)
+    fed, heads = [], []
+    hooks = [model.get_base_model().model.register_forward_pre_hook(
+                 lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True),
+             model.get_base_model().get_output_embeddings().register_forward_hook(
+                 lambda m, a, out: heads.append(a[0].shape[:-1].numel()))]
+    try:
+        with torch.no_grad(), SharedPromptForward(model, rollout, chunk_tokens=1024) as fwd:
+            fwd.logprobs(slice(0, 9))
+    finally:
+        for h in hooks:
+            h.remove()
+    lengths = rollout.completion_mask.sum(-1)
+    # the prompt pass, then 3 prompts' completions side by side, each row feeding all but its last token
+    per_prompt = (lengths - 1).view(3, G).sum(-1)
+    assert fed == [rollout.prompt_ids.numel(), 3 * int(per_prompt.max())]
+    assert heads == [int(lengths.sum())]  # against 9 x 7 = 63 padded
+
+
 def test_chunked_logprobs_and_entropy_match_full_softmax():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)

@@ -9,7 +9,9 @@ concatenates prompt and completion for every row, so each prompt is computed G t
 2. Those tensors are cut from the graph as leaf tensors. Each micro-batch of completions
    attends over its prompt's leaf keys/values through a read-only cache, computes its
    token log-probs, and is backpropagated at once: gradients reach the adapter weights
-   directly and accumulate on the leaves.
+   directly and accumulate on the leaves. A micro-batch's completions of one prompt are packed
+   end to end at their real lengths, and the output head runs only on completion tokens, so
+   padding to the batch's longest completion is never computed.
 3. After the last micro-batch, the accumulated leaf gradients are pushed through the prompt
    pass in one backward call.
 
@@ -127,13 +129,25 @@ class ConcatForward:
         mask = torch.cat([prompt_mask, r.completion_mask[rows][:, :-1]], dim=1).to(self.device)
         hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).last_hidden_state
         hidden = hidden[:, -c_ids.size(1):]  # [n, R, d]: the positions that predict completion tokens
-        return self._from_hidden(hidden, c_ids, with_entropy, critic)
+        return self._from_hidden(hidden, c_ids, r.completion_mask[rows], with_entropy, critic)
 
-    def _from_hidden(self, hidden: torch.Tensor, c_ids: torch.Tensor, with_entropy: bool, critic):
-        out = token_logprobs(self.head, hidden, c_ids, self.temperature, self.chunk_tokens, with_entropy)
-        if critic is None:
-            return out
-        return out, critic(hidden.float()).squeeze(-1)
+    def _from_hidden(self, hidden: torch.Tensor, c_ids: torch.Tensor, c_mask: torch.Tensor, with_entropy: bool,
+                     critic, width: int | None = None):
+        """log-probs (entropies, critic values) [n, width] from ``hidden`` [n, T, d] at the completion's positions.
+        The output head runs only where ``c_mask`` is 1; elsewhere (padding) the outputs are 0."""
+        n, t = c_ids.shape
+        width = width or t
+        where = c_mask.to(hidden.device).bool().nonzero(as_tuple=True)
+        if where[0].numel():
+            out = token_logprobs(self.head, hidden[where][None], c_ids.to(hidden.device)[where][None],
+                                 self.temperature, self.chunk_tokens, with_entropy)
+            out = tuple(o.new_zeros(n, width).index_put(where, o[0]) for o in (out if with_entropy else (out,)))
+        else:  # no completion token in these rows: zeros, still on the graph
+            out = (hidden.new_zeros(n, width, dtype=torch.float32) + hidden.sum() * 0,) * (2 if with_entropy else 1)
+        if critic is not None:
+            values = critic(hidden.float()).squeeze(-1)
+            out += (torch.nn.functional.pad(values, (0, width - t)),)
+        return out if len(out) > 1 else out[0]
 
 
 class SharedPromptForward(ConcatForward):
@@ -188,42 +202,47 @@ class SharedPromptForward(ConcatForward):
             next_pos = r.branch[rows]
             cut = width - self._next_pos.cpu().index_select(0, prompt_of_row) + next_pos
             first = last[prompt_of_row.to(self.device), (cut - 1).to(self.device)][:, None]
-        t = c_ids.size(1) - 1  # completion tokens fed to the model (the last one is only predicted)
-        if t == 0:
-            return self._from_hidden(first, c_ids, with_entropy, critic)
-        # Pack the micro-batch's completions of each prompt side by side in one sequence that
-        # attends over that prompt's keys/values once: [prompts here, slots * t] tokens.
-        prompts_here, slot = torch.unique_consecutive(prompt_of_row, return_counts=True)
-        slots = int(slot.max())
-        entry = torch.repeat_interleave(torch.arange(len(prompts_here)), slot)  # packed sequence of each row
-        k = row_ids - torch.repeat_interleave(torch.cumsum(slot, 0) - slot, slot) - rows.start  # slot in it
-        q_len = slots * t
-        ids = torch.full((len(prompts_here), q_len), r.completion_ids[0, 0].item(), dtype=torch.long)
-        live = torch.zeros(len(prompts_here), q_len, dtype=torch.bool)
-        index = (k[:, None] * t + torch.arange(t)[None]).long()  # [n, t] position of each token in its entry
-        ids[entry[:, None], index] = r.completion_ids[rows][:, :-1]
-        live[entry[:, None], index] = r.completion_mask[rows][:, :-1].bool()
-        # each slot's first position and the prompt columns it sees (an unused slot: the whole prompt)
-        slot_pos = torch.zeros(len(prompts_here), slots, dtype=torch.long)
-        slot_cut = torch.full((len(prompts_here), slots), width)
-        slot_pos[entry, k], slot_cut[entry, k] = next_pos, cut
+        c_mask = r.completion_mask[rows]  # [n, R]
+        n, width_r = c_ids.shape
+        # each row feeds its tokens up to its last live one (which is only predicted, not fed): padding
+        # past a row's end is neither computed nor attended to
+        fed = (c_mask * torch.arange(1, width_r + 1)).amax(-1).sub(1).clamp(min=0)  # [n]
+        total = int(fed.sum())
+        if total == 0:
+            return self._from_hidden(first, c_ids[:, :1], c_mask[:, :1], with_entropy, critic, width_r)
+        # Pack the micro-batch's completions of each prompt end to end in one sequence that attends
+        # over that prompt's keys/values once: [prompts here, longest packing] tokens.
+        prompts_here, count = torch.unique_consecutive(prompt_of_row, return_counts=True)
+        entry = torch.repeat_interleave(torch.arange(len(prompts_here)), count)  # packed sequence of each row
+        before = torch.cumsum(fed, 0) - fed  # tokens fed by the micro-batch's earlier rows
+        start = before - before[torch.cumsum(count, 0) - count][entry]  # each row's first column in its entry
+        q_len = int(torch.zeros(len(prompts_here), dtype=fed.dtype).index_add_(0, entry, fed).max())
+        row = torch.repeat_interleave(torch.arange(n), fed)  # [total]: the row of each fed token
+        offset = torch.arange(total) - before[row]  # its place in its completion
+        at = (entry[row], start[row] + offset)  # its column in the packing
+        shape = (len(prompts_here), q_len)
+        ids = torch.full(shape, r.completion_ids[0, 0].item(), dtype=torch.long).index_put(at, c_ids.cpu()[row, offset])
+        live = torch.zeros(shape, dtype=torch.bool).index_put(at, c_mask[row, offset].bool())
+        owner = torch.full(shape, -1).index_put(at, row)  # the row a column belongs to (-1: filler)
+        place = torch.zeros(shape, dtype=torch.long).index_put(at, offset)
+        positions = torch.zeros(shape, dtype=torch.long).index_put(at, next_pos[row] + offset)
+        # the prompt columns each column sees (a filler column: the whole prompt, so no query is masked out)
+        sees = torch.full(shape, width).index_put(at, cut[row])
         b = prompts_here.to(self.device)
         cache = Cache(layers=[_PrefixLayer(kk.index_select(0, b), vv.index_select(0, b))
                               for kk, vv in zip(keys, values)])
-        offset = torch.arange(q_len) % t
-        positions = (slot_pos.repeat_interleave(t, dim=1) + offset[None]).to(self.device)
-        same_completion = (torch.arange(q_len)[:, None] // t) == (torch.arange(q_len)[None] // t)
-        causal = same_completion & (offset[:, None] >= offset[None])  # [q, q] within one completion
-        own = causal[None] & live[:, None, :]  # [entries, q, q]
-        seen = torch.arange(width)[None, None] < slot_cut.repeat_interleave(t, dim=1)[:, :, None]  # [entries, q, P]
+        causal = (owner[:, :, None] == owner[:, None, :]) & (place[:, :, None] >= place[:, None, :])
+        own = causal & live[:, None, :]  # [entries, q, q]: earlier live tokens of the same completion
+        seen = torch.arange(width)[None, None] < sees[:, :, None]  # [entries, q, P]
         prefix = self._mask.index_select(0, b).bool()[:, None, :] & seen.to(self.device)  # [entries, q, P]
         mask = torch.cat([prefix, own.to(self.device)], dim=-1)[:, None]  # [entries, 1, q, P + q]
         out = self.backbone(input_ids=ids.to(self.device), attention_mask=self._attention_mask(mask),
-                            position_ids=positions, cache=cache, use_cache=True)
-        packed = out.last_hidden_state  # [entries, q, d]
-        hidden = packed[entry.to(self.device)[:, None], index.to(self.device)]  # [n, t, d]
-        hidden = torch.cat([first, hidden], dim=1)  # [n, R, d]
-        return self._from_hidden(hidden, c_ids, with_entropy, critic)
+                            position_ids=positions.to(self.device), cache=cache, use_cache=True)
+        packed = out.last_hidden_state[at[0].to(self.device), at[1].to(self.device)]  # [total, d]
+        rest = packed.new_zeros(n, width_r - 1, packed.size(-1)).index_put(
+            (row.to(self.device), offset.to(self.device)), packed)
+        hidden = torch.cat([first, rest], dim=1)  # [n, R, d]
+        return self._from_hidden(hidden, c_ids, c_mask, with_entropy, critic, width_r)
 
     def _attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A 4D mask in the form the model's attention takes: boolean for SDPA, additive otherwise."""
