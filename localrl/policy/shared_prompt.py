@@ -221,7 +221,8 @@ class SharedPromptForward(ConcatForward):
         offset = torch.arange(total) - before[row]  # its place in its completion
         at = (entry[row], start[row] + offset)  # its column in the packing
         shape = (len(prompts_here), q_len)
-        ids = torch.full(shape, r.completion_ids[0, 0].item(), dtype=torch.long).index_put(at, c_ids.cpu()[row, offset])
+        ids = torch.full(shape, r.completion_ids[0, 0].item(), dtype=torch.long).index_put(
+            at, r.completion_ids[rows][row, offset])  # (the rollout's own CPU copy, not the device's)
         live = torch.zeros(shape, dtype=torch.bool).index_put(at, c_mask[row, offset].bool())
         owner = torch.full(shape, -1).index_put(at, row)  # the row a column belongs to (-1: filler)
         place = torch.zeros(shape, dtype=torch.long).index_put(at, offset)
