@@ -4,7 +4,7 @@ The Python API: ``from localrl import TrainConfig, train`` (``train(TrainConfig(
 use so that ``import localrl`` stays light."""
 
 _API = {"train": "localrl.training.loop", "resume_config": "localrl.training.loop", "TrainConfig": "localrl.config",
-        "build_config": "localrl.config"}
+        "build_config": "localrl.training.settings"}
 
 
 def __getattr__(name: str):

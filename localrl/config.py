@@ -2,14 +2,15 @@
 
 The fields are flat (``--loss-type dapo``, ``loss_type = "dapo"``, as TRL's configs are) and grouped in
 sections, one per owner: what to train, the adapter, the step, each sampler's, the loss, the KL, the
-optimiser, each objective's, the environment's, the run's. A plug-in owns its section's checks and its
-preset (``localrl.registry``): ``validate()`` runs the config's own checks, then every registered
-objective's, sampler's and environment's ``check_settings``.
+optimiser, each objective's, the environment's, the run's. ``validate()`` checks the config's own fields;
+a plug-in owns its section's checks and its preset (``localrl.registry``), and the config is assembled with
+them above the registries, by ``localrl.training.settings`` (``build_config``, ``check_config``): this
+module imports no plug-in.
 
 Precedence: field defaults < the selected environment's preset (with ``env``) < the selected objective's (with
 ``objective``) < ``--config FILE.toml`` < command-line flags. Every field has a default and a one-line help
 (the ``help`` metadata, also shown by ``localrl train -h``). ``parse_overrides`` reads ``--field value`` flags
-for the CLI and the terminal UI alike; ``validate()`` rejects impossible settings before any model is loaded.
+for the CLI and the terminal UI alike; the checks reject impossible settings before any model is loaded.
 Every error is a ``UserError`` that carries the field's name.
 """
 
@@ -291,11 +292,8 @@ class TrainConfig:
     threads: int = _f(0, "CPU threads for torch (0: all cores)")
 
     def validate(self) -> "TrainConfig":
-        """Raise UserError naming the first impossible setting; returns self."""
-        from localrl.envs import environments  # the plug-in registries (built-ins and any a user added)
-        from localrl.objectives import objectives
-        from localrl.samplers import samplers
-
+        """Raise UserError naming the first impossible setting of the config's own fields; returns self. The
+        plug-ins' settings are checked by ``localrl.training.settings.check_config``, which calls this first."""
         checks = [
             ("group_size", self.group_size >= 2, "must be at least 2 (advantages compare completions within a group)"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
@@ -360,10 +358,6 @@ class TrainConfig:
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
             ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
                                                          "package.module:function)"),
-            ("sampler", not self.sampler or samplers.known(self.sampler),
-             f"must be empty or one of {', '.join(samplers.names())} (or package.module:Class)"),
-            ("env", not self.env or environments.known(self.env),
-             f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -377,23 +371,10 @@ class TrainConfig:
                 raise UserError(f"config field {name}: {value} is more than any run needs (at most {MAX_INT:,})",
                                 field=name)
         check_fields(self, checks)
-        # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's, which may
-        # name several, comma-separated, as TRL's DPOConfig takes a list)
-        objective = dict(objectives.items()).get(self.objective)
-        loss_types = getattr(objective, "loss_types", LOSS_TYPES)
-        several = getattr(objective, "combines_losses", False)
-        named = self.loss_type.split(",") if several else [self.loss_type]
-        check_fields(self, [("loss_type", all(n.strip() in loss_types for n in named),
-                             f"must be one of {', '.join(loss_types)} for objective {self.objective}" + (
-                                 " (or several, comma-separated)" if several else ""))])
         if self.memory_budget:
             from localrl.memory import parse_bytes
 
             parse_bytes(self.memory_budget)
-        # each plug-in checks its own settings section (localrl.registry): the objectives', samplers' and
-        # environments' fields and the combinations they cannot run with
-        for registry in (objectives, samplers, environments):
-            registry.check_settings(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -573,22 +554,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return {k: coerce(k, v, f"{p}: ") for k, v in raw.items()}
 
 
-def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then overrides; validated."""
-    values: dict[str, Any] = {}
-    if file:
-        values.update(load_toml(file))
+def config_values(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields a TOML file sets, then ``overrides``, type-checked (the defaults and presets not applied)."""
+    values: dict[str, Any] = dict(load_toml(file)) if file else {}
     for k, v in (overrides or {}).items():
         values[k] = coerce(k, v)
-    from localrl.envs import environments
-    from localrl.objectives import objectives
-
-    # the objective's preset first: it may choose the environment, whose preset then applies
-    for k, v in objectives.preset(values.get("objective", FIELDS["objective"].default)).items():
-        values.setdefault(k, v)
-    for k, v in environments.preset(values.get("env", FIELDS["env"].default)).items():
-        values.setdefault(k, v)
-    return TrainConfig(**values).validate()
+    return values
 
 
 def to_toml(cfg: TrainConfig) -> str:

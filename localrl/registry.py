@@ -17,9 +17,11 @@ config as ``package.module:function`` (as a user's reward is), so it needs no ed
 
 A plug-in owns its settings: its ``check_settings(cfg)`` (a class attribute, or ``check=`` for a function)
 checks the config fields that are its own and the combinations it cannot run with, whether or not the run
-selects it (a field set for a plug-in the run does not use is a mistake too), and its ``preset`` (or
-``preset=``) is what selecting it changes from the defaults unless the file or the flags set it.
-``TrainConfig.validate()`` and ``build_config`` ask the registries for both.
+selects it; its ``owns`` (or ``owns=``) names the fields that mean something only when it is selected, and
+the registry refuses any of them set away from its default while the run selects another plug-in (a field
+set for a plug-in the run does not use is a mistake); its ``preset`` (or ``preset=``) is what selecting it
+changes from the defaults unless the file or the flags set it.
+``localrl.training.settings`` (``check_config``, ``build_config``) asks the registries for both.
 
 A plug-in registered with ``argument=`` is named with one: ``NAME:ARGUMENT`` (``--env world:tiny-shell-world``), and
 reads it with ``argument(name)``. A registered name before the ``:`` wins over a ``package.module:function`` of the
@@ -45,12 +47,13 @@ class Registry:
         self._plugins: dict[str, Any] = {}
         self._presets: dict[str, dict[str, Any]] = {}
         self._checks: dict[str, Callable | None] = {}
+        self._owns: dict[str, tuple[str, ...]] = {}  # name -> the fields that mean something only when it is selected
         self._arguments: dict[str, str] = {}  # name -> what its argument is (plug-ins named NAME:ARGUMENT)
         self._discovered = False
 
     def register(self, name: str, plugin: Any = None, *, preset: dict[str, Any] | None = None,
-                 check: Callable | None = None, argument: str | None = None):
-        """Register ``plugin`` as ``name`` (its ``preset`` and ``check_settings``, unless given here); without
+                 check: Callable | None = None, owns: tuple[str, ...] | None = None, argument: str | None = None):
+        """Register ``plugin`` as ``name`` (its ``preset``, ``check_settings`` and ``owns``, unless given here); without
         ``plugin``, a decorator that registers what it decorates. ``argument``: what the plug-in is given after
         its name (``NAME:ARGUMENT``), when it needs one. Registering a name again replaces the earlier plug-in (a
         module imported twice, a test's own)."""
@@ -61,6 +64,7 @@ class Registry:
             self._plugins[name] = p
             self._presets[name] = dict(preset if preset is not None else getattr(p, "preset", None) or {})
             self._checks[name] = check if check is not None else getattr(p, "check_settings", None)
+            self._owns[name] = tuple(owns if owns is not None else getattr(p, "owns", ()))
             if argument:
                 self._arguments[name] = argument
             else:
@@ -71,7 +75,7 @@ class Registry:
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (a test's own plug-in, once the test is done)."""
-        for table in (self._plugins, self._presets, self._checks, self._arguments):
+        for table in (self._plugins, self._presets, self._checks, self._owns, self._arguments):
             table.pop(name, None)
 
     def preset(self, name: str) -> dict[str, Any]:
@@ -80,8 +84,16 @@ class Registry:
         return dict(self._presets.get(self._registered(name), {}))
 
     def check_settings(self, cfg) -> None:
-        """Every registered plug-in checks its own settings in ``cfg`` (a UserError naming the field)."""
+        """A field some plug-in owns, set while the run selects one that does not own it, then every registered
+        plug-in's own checks of ``cfg``: a UserError naming the field."""
+        from localrl.config import FIELDS
+
         self._discover()
+        allowed = set(self._owns.get(self._registered(getattr(cfg, self.field)), ()))
+        for field in sorted({f for fields in self._owns.values() for f in fields} - allowed):
+            if getattr(cfg, field) != FIELDS[field].default:
+                owners = sorted(name for name, fields in self._owns.items() if field in fields)
+                raise UserError(f"config field {field}: needs {self.field} {' or '.join(owners)}", field=field)
         for check in list(self._checks.values()):
             if check is not None:
                 check(cfg)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from localrl.atomic import atomic_dir, write_text_atomic
-from localrl.config import TrainConfig, build_config, to_toml
+from localrl.config import TrainConfig, config_values, to_toml
 from localrl.errors import UserError, out_of_space
 from localrl.metrics import read_metrics
 
@@ -214,15 +214,17 @@ class Run:
     # -- config and base weights ----------------------------------------------------------
 
     def read_config(self, overrides: dict | None = None) -> TrainConfig:
-        """The saved config with ``overrides`` applied (for example more steps); not written back."""
-        cfg = build_config(self.config_path, overrides)
+        """The saved config with ``overrides`` applied (for example more steps); not written back. The file holds
+        every field as the run resolved it (presets applied), so it is read as it is; the config's own fields are
+        checked here, the plug-ins' settings by the run that uses it (``training.settings.check_config``)."""
+        cfg = TrainConfig(**config_values(self.config_path, overrides)).validate()
         cfg.run_dir = str(self.path)
         return cfg
 
     def total_steps(self) -> int:
         """The configured number of steps; 0 while the config is missing or unreadable."""
         try:
-            return int(build_config(self.config_path).steps)
+            return TrainConfig(**config_values(self.config_path)).validate().steps
         except UserError:
             return 0
 

@@ -6,8 +6,8 @@ import re
 import pytest
 from safetensors.torch import load_file
 
-from localrl.config import build_config
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, localrl, train_records
 
 

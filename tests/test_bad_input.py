@@ -587,8 +587,8 @@ def test_a_users_broken_verifier_stops_the_run_before_anything_is_written(audit_
 
 
 def test_a_working_verifier_passes_the_preflight(audit_dir, monkeypatch):
-    from localrl.config import build_config
     from localrl.training.loop import preflight
+    from localrl.training.settings import build_config
 
     (audit_dir / "verifiers.py").write_text(VERIFIERS)
     monkeypatch.syspath_prepend(str(audit_dir))
@@ -661,7 +661,7 @@ def test_bad_config_files_are_one_line(audit_dir, capsys, content, message):
 
 
 def test_a_config_file_with_a_byte_order_mark_is_read(audit_dir):
-    from localrl.config import build_config
+    from localrl.training.settings import build_config
 
     (audit_dir / "bom.toml").write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")
     (audit_dir / "bom-top.toml").write_bytes(b"\xef\xbb\xbfsteps = 4\n")

@@ -2,8 +2,9 @@
 
 import pytest
 
-from localrl.config import TrainConfig, build_config, load_toml, to_toml
+from localrl.config import TrainConfig, load_toml, to_toml
 from localrl.errors import UserError
+from localrl.training.settings import build_config
 
 
 def test_defaults_are_valid_and_documented():
@@ -36,7 +37,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("quantize", "maybe", "config field quantize: must be auto, nf4 or none"),
     ("env", "gym", "config field env: must be empty or one of secret_keeping, shell, "),
     ("isolation", "chroot", "config field isolation: must be one of auto, bwrap"),
-    ("env_tasks", "tasks.jsonl", "config field env_tasks: needs env = 'shell'"),
+    ("env_tasks", "tasks.jsonl", "config field env_tasks: needs env shell"),
     ("max_turns", "0", "config field max_turns: must be at least 1"),
 ])
 def test_invalid_values_name_the_field(field, value, message):

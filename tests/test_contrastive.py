@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from localrl.config import TrainConfig, build_config
+from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.modeling import load_policy, pick_device
 from localrl.policy.contrastive import Contrast, contrast_labels, contrastive_loss, sequence_scores
@@ -17,6 +17,7 @@ from localrl.policy.grpo import policy_update
 from localrl.policy.losses import group_advantages
 from localrl.policy.shared_prompt import ConcatForward
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, randomise_lora, rel_err, small, train_records
 from tests.test_prompt_cache import make_rollout
 
@@ -93,13 +94,26 @@ def test_the_update_adds_the_terms_exact_gradient_through_micro_batches(builtin_
                                                                       "be positive"),
     ({"objective": "contrastive_grpo", "contrastive_coef": -1}, "config field contrastive_coef: must be at least 0"),
     ({"objective": "contrastive_grpo", "contrastive_margin": -0.1}, "config field contrastive_margin: must be at"),
-    ({"contrastive_coef": 2.0}, "config field contrastive_coef: applies to objective contrastive_grpo only"),
+    ({"contrastive_coef": 2.0}, "config field contrastive_coef: needs objective contrastive_grpo"),
     ({"objective": "contrastive_grpo", "markovian_chunk": 16}, "config field markovian_chunk: objective "
                                                                "contrastive_grpo contrasts whole completions"),
 ])
 def test_bad_settings_are_one_line(flags, message):
     with pytest.raises(UserError, match=message):
         build_config(None, flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [{"sampler": "prefix_tree", "group_size": 4},
+                                   {"sampler": "plan_then_act", "plan_count": 2, "plan_tokens": 8, "group_size": 2}],
+                         ids=["prefix_tree", "plan_then_act"])
+def test_a_contrastive_step_runs_over_the_samplers_that_shape_the_groups(builtin_model, tmp_path, flags):
+    """contrastive_grpo is a GRPO (``group_relative``), so the samplers that form the groups themselves (a prefix
+    tree's, each prompt's plans) take it as they take grpo, and its term is computed over their groups."""
+    result = train(small(tmp_path / "run", objective="contrastive_grpo", contrastive_coef=1.0, steps=1,
+                         prompts_per_step=2, **flags), **QUIET)
+    [record] = train_records(result.run_dir)
+    assert record["contrastive"] is not None and math.isfinite(record["loss"])
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localrl.config import TrainConfig, build_config
+from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.policy.credit import turn_advantages, turn_returns
 from localrl.policy.losses import LossSettings, grpo_loss
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, train_records
 
 # two episodes of one task, two turns each, an observation (tokens 3-4) between the turns

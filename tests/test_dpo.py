@@ -16,13 +16,14 @@ import json
 import pytest
 import torch
 
-from localrl.config import TrainConfig, build_config
+from localrl.config import TrainConfig
 from localrl.data.preferences import builtin_pair, preference_row
 from localrl.errors import UserError
 from localrl.modeling import load_policy, pick_device
 from localrl.policy.dpo import DPO_LOSS_TYPES, dpo_loss, dpo_update, preference_pairs
 from localrl.policy.shared_prompt import ConcatForward
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, randomise_lora, rel_err, small, train_records
 from tests.test_prompt_cache import make_rollout
 
@@ -187,13 +188,14 @@ def test_bad_rows_are_one_line_naming_the_place(row, message):
                                                                             "one weight for each loss in loss_type"),
     ({"objective": "dpo", "loss_weights": "1,x"}, "config field loss_weights: must be comma-separated numbers"),
     ({"objective": "dpo", "loss_weights": "-1"}, "config field loss_weights: must be comma-separated numbers >= 0"),
-    ({"loss_weights": "1"}, "config field loss_weights: applies to objective dpo only"),
+    ({"loss_weights": "1"}, "config field loss_weights: needs objective dpo"),
     ({"loss_type": "ipo"}, "config field loss_type: must be one of grpo, .* for objective grpo"),
     ({"objective": "dpo", "beta": 0}, "config field beta: objective dpo: must be positive"),
     ({"objective": "dpo", "label_smoothing": 0.1}, "config field label_smoothing: applies to objective dpo with "
                                                    "loss_type robust only"),
     ({"objective": "dpo", "loss_type": "robust", "label_smoothing": 0.5}, "config field label_smoothing: must be in"),
-    ({"sampler": "preferences"}, "config field sampler: preferences hands over fixed pairs, which only objective dpo"),
+    ({"sampler": "preferences"}, r"config field objective: grpo cannot train with sampler preferences \(it hands over "
+                                 r"fixed pairs; objectives that can: dpo\)"),
     ({"objective": "dpo", "markovian_chunk": 16}, "config field markovian_chunk: objective dpo pairs whole"),
 ])
 def test_bad_dpo_settings_are_one_line(flags, message):

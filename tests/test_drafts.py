@@ -82,6 +82,7 @@ def test_shell_drafts_pay_a_right_end_state_less_for_each_right_part_of_the_draf
     from localrl.envs.shell_drafts import HEADER, changed_share, with_draft
     from localrl.envs.shell_tasks import generate
     from localrl.errors import UserError
+    from localrl.training.settings import check_config
 
     task = with_draft(generate(3, "count", 1))
     f = task.slip[0].split()[-1]
@@ -106,5 +107,5 @@ def test_shell_drafts_pay_a_right_end_state_less_for_each_right_part_of_the_draf
     assert play(f"cat {f} | wc -l") == pytest.approx(1 - 0.5 / 3)
     assert play("ls", answer="0") == 0.0  # wrong, and every right word changed: no edit penalty on top
     env.close()
-    with pytest.raises(UserError, match="^config field env_tasks: needs env = 'shell'"):  # a file has no drafts
-        TrainConfig(env="shell_drafts", env_tasks=str(tmp_path / "t.jsonl")).validate()
+    with pytest.raises(UserError, match="^config field env_tasks: needs env shell"):  # a file has no drafts
+        check_config(TrainConfig(env="shell_drafts", env_tasks=str(tmp_path / "t.jsonl")))

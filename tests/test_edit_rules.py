@@ -121,11 +121,12 @@ def test_the_person_env_takes_off_the_share_of_commands_the_person_would_edit(tm
 def test_bad_sessions_for_the_person_env_are_one_line(tmp_path):
     from localrl.config import TrainConfig
     from localrl.envs import environment_for
+    from localrl.training.settings import check_config
 
     with pytest.raises(UserError, match="config field person_sessions: env shell_person learns the person"):
-        TrainConfig(env="shell_person").validate()
-    with pytest.raises(UserError, match="config field person_sessions: needs env = 'shell_person'"):
-        TrainConfig(env="shell", person_sessions=str(tmp_path)).validate()
+        check_config(TrainConfig(env="shell_person"))
+    with pytest.raises(UserError, match="config field person_sessions: needs env shell_person"):
+        check_config(TrainConfig(env="shell", person_sessions=str(tmp_path)))
     with pytest.raises(UserError, match="config field person_sessions: .*no recorded sessions"):
         environment_for(TrainConfig(env="shell_person", person_sessions=str(tmp_path)).validate())
     log = SessionLog(tmp_path / "s")

@@ -187,6 +187,7 @@ def test_the_lessons_reach_the_model_in_training_eval_and_chat(builtin_model, tm
 def test_bad_experience_settings_fail_before_loading(builtin_model, tmp_path):
     from localrl.config import TrainConfig
     from localrl.training.loop import preflight
+    from localrl.training.settings import check_config
 
     with pytest.raises(UserError, match="experience_init: experience .*: no experience.json there"):
         preflight(TrainConfig(objective="experience", experience_init=str(tmp_path), run_dir=str(tmp_path / "r")))
@@ -194,4 +195,4 @@ def test_bad_experience_settings_fail_before_loading(builtin_model, tmp_path):
     with pytest.raises(UserError, match="experience_judge: the policy model tiny-arith .* context of 256 tokens"):
         preflight(TrainConfig(objective="experience", run_dir=str(tmp_path / "r")))
     with pytest.raises(UserError, match="experience_judge: needs objective experience"):
-        TrainConfig(experience_judge="tiny-arith").validate()
+        check_config(TrainConfig(experience_judge="tiny-arith"))

@@ -14,6 +14,7 @@ from localrl.generation.markovian import chunk_context, sample_markovian, trace_
 from localrl.generation.rollout import encode_prompts, stop_token_ids
 from localrl.modeling import load_policy
 from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
+from localrl.training.settings import check_config
 from tests.helpers import QUIET, small, train_records
 
 C, M = 8, 4
@@ -87,7 +88,7 @@ def test_markovian_sampling_is_reproducible_from_the_seed(policy):
 ])
 def test_bad_markovian_settings_are_one_line(kw, message):
     with pytest.raises(UserError, match=message):
-        TrainConfig(**kw).validate()
+        check_config(TrainConfig(**kw))
 
 
 @pytest.mark.slow

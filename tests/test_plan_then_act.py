@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localrl.config import build_config
 from localrl.errors import UserError
 from localrl.models import builtin_path
 from localrl.modeling import load_tokenizer
 from localrl.policy.losses import group_advantages
 from localrl.samplers.plan_then_act import after_plan, composite_rewards, cut_plan, plan_rewards
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, small, train_records
 
 
@@ -63,7 +63,8 @@ def test_a_plan_then_act_run_trains_and_resumes_exactly(tmp_path):
     ({"sampler": "plan_then_act", "plan_tokens": 0}, "config field plan_tokens: must be from 1 to 1024"),
     ({"sampler": "plan_then_act", "plan_weight": -1}, "config field plan_weight: must be at least 0"),
     ({"plan_weight": 2.0}, "config field plan_weight: needs sampler plan_then_act"),
-    ({"sampler": "plan_then_act", "objective": "experience"}, "config field sampler: plan_then_act's advantages"),
+    ({"sampler": "plan_then_act", "objective": "experience"},
+     r"config field objective: experience cannot train with sampler plan_then_act \(its advantages are GRPO's"),
     ({"sampler": "plan_then_act", "markovian_chunk": 16}, "config field sampler: plan_then_act samples prompt"),
 ])
 def test_bad_plan_then_act_settings_are_one_line(flags, message):

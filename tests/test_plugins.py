@@ -145,7 +145,7 @@ def test_a_test_local_environment_trains_by_grpo_from_the_cli(registered, tmp_pa
 
 def test_a_plugin_brings_its_preset_and_checks_its_own_settings(registered, tmp_path, capsys):
     from localrl.cli import main
-    from localrl.config import build_config
+    from localrl.training.settings import build_config
 
     assert (build_config(None, {"env": "letters"}).model, build_config(None, {"env": "letters"}).max_turns) == \
         ("tiny-shell", 1)
@@ -154,6 +154,34 @@ def test_a_plugin_brings_its_preset_and_checks_its_own_settings(registered, tmp_
     assert main(["train", "--env", "letters", "--max-turns", "3", "--run-dir", str(tmp_path / "r")]) == 2
     assert "config field max_turns: letters is one turn: must be 1 (got 3)" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+class Ranks(Answers):
+    """A test-local objective that declares its advantages group-relative, and owns a field."""
+
+    group_relative = True
+    owns = ("contrastive_margin",)  # (a field of today's config: a test module cannot add one yet)
+
+
+def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(registered):
+    """A sampler that shapes the groups (a prefix tree) takes any objective that declares ``group_relative``,
+    a test-local one included, and refuses one that does not in one line naming those that can; a field a plug-in
+    ``owns`` is refused for every other selection, once, by the registry."""
+    from localrl.training.settings import build_config
+
+    objectives.register("ranks", Ranks)
+    try:
+        assert build_config(None, {"objective": "ranks", "sampler": "prefix_tree"}).objective == "ranks"
+        with pytest.raises(UserError, match=r"^config field objective: answers cannot train with sampler prefix_tree "
+                                            r"\(its advantages are GRPO's, staged over the tree; objectives that can: "
+                                            r"contrastive_grpo, grpo, ranks, turn_grpo\)"):
+            build_config(None, {"objective": "answers", "sampler": "prefix_tree"})
+        assert build_config(None, {"objective": "ranks", "contrastive_margin": 0.5}).contrastive_margin == 0.5
+        assert build_config(None, {"objective": "contrastive_grpo", "contrastive_margin": 0.5}).contrastive_margin == 0.5
+        with pytest.raises(UserError, match=r"^config field contrastive_margin: needs objective contrastive_grpo or ranks$"):
+            build_config(None, {"objective": "answers", "contrastive_margin": 0.5})
+    finally:
+        objectives.unregister("ranks")
 
 
 def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, capsys):
@@ -168,9 +196,9 @@ def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, ca
 
 
 def test_a_plugin_that_takes_an_argument_is_named_name_colon_argument():
-    from localrl.config import build_config
     from localrl.envs.shell import shell_environment
     from localrl.envs.world import world_environment
+    from localrl.training.settings import build_config
 
     assert environments.get("world:tiny-shell-world") is environments.get("world:http://host/v1|m") is world_environment
     assert environments.argument("world:http://host/v1|m") == "http://host/v1|m"
@@ -276,7 +304,8 @@ def test_every_flag_and_toml_key_from_before_the_plugin_design_still_works(tmp_p
     import re
 
     from localrl.cli import main
-    from localrl.config import TrainConfig, build_config
+    from localrl.config import TrainConfig
+    from localrl.training.settings import build_config
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

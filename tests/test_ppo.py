@@ -12,6 +12,7 @@ from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.policy.ppo import gae, policy_loss, token_rewards, value_loss, whiten
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import check_config
 from tests.helpers import QUIET, small, train_records
 
 
@@ -126,12 +127,12 @@ def test_a_ppo_run_resumes_exactly(builtin_model, tmp_path):
 ])
 def test_bad_ppo_settings_are_one_line(flags, message):
     with pytest.raises(UserError, match=message):
-        TrainConfig(**flags).validate()
+        check_config(TrainConfig(**flags))
 
 
 @pytest.mark.slow
 def test_ppo_trains_an_agent_in_the_shell(tmp_path):
-    from localrl.config import build_config
+    from localrl.training.settings import build_config
 
     cfg = build_config(None, {"env": "shell", "objective": "ppo", "steps": 1, "prompts_per_step": 2, "group_size": 2,
                               "eval_size": 0, "run_dir": str(tmp_path / "run")})

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from localrl.config import build_config
 from localrl.errors import UserError
 from localrl.models import builtin_path
 from localrl.modeling import load_tokenizer
 from localrl.policy.credit import tree_advantages
 from localrl.samplers.prefix_tree import builtin_trace, cut_depths, make_tree
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, small, train_records
 
 # one tree: three prefixes (steps 0, 1, 2 of the trace), two completions each
@@ -97,7 +97,8 @@ def test_the_prefix_tree_learns_from_a_jsonl_of_traces(tmp_path):
     ({"sampler": "prefix_tree", "tree_baseline": "mean"}, "config field tree_baseline: must be one of expectation"),
     ({"tree_prefixes": 4}, "config field tree_prefixes: needs sampler prefix_tree"),
     ({"sampler": "prefix_tree", "data": "words"}, "config field teacher_traces: the built-in solver's traces"),
-    ({"sampler": "prefix_tree", "objective": "ppo"}, "config field sampler: prefix_tree's advantages are GRPO's"),
+    ({"sampler": "prefix_tree", "objective": "ppo"},
+     "config field objective: ppo cannot train with sampler prefix_tree \\(its advantages are GRPO's"),
     ({"sampler": "prefix_tree", "env": "shell"}, "config field sampler: prefix_tree samples prompt completions"),
 ])
 def test_bad_prefix_tree_settings_are_one_line(flags, message):

@@ -194,8 +194,8 @@ def test_a_warm_start_teaches_the_real_model_to_call_the_shell_tool(real_gguf, t
     """Before, SmolLM2-135M answers every held-out task in prose at once; after a few steps on expert episodes
     its greedy episodes call the shell tool (measured here, 4 steps of 4 episodes: 0 -> 3.25 calls per episode,
     2.5 of them valid)."""
-    from localrl.config import build_config
     from localrl.training.loop import train
+    from localrl.training.settings import build_config
 
     cfg = build_config(None, {"objective": "sft", "model": str(real_gguf), "steps": 4, "prompts_per_step": 4,
                               "eval_size": 4, "run_dir": str(tmp_path / "run"), "save_every": 4})

@@ -109,9 +109,9 @@ def test_rewards_receive_completion_ids_in_training(builtin_model, tmp_path):
 
 def test_several_rewards_with_weights_are_each_logged(tmp_path):
     """`--reward a,b --reward-weights x,y`: each reward's mean is logged apart, the reward is their weighted sum."""
-    from localrl.config import build_config
     from localrl.data.rewards import resolve_rewards
     from localrl.training.loop import train
+    from localrl.training.settings import build_config
     from tests.helpers import QUIET, train_records
 
     cfg = build_config(None, {"reward": "numeric, tests.test_rewards:length_reward, numeric",

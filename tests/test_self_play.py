@@ -123,9 +123,23 @@ def test_two_adapters_on_one_base_train_in_turn_and_resume_as_one_run(tmp_path, 
     assert train_records(part) == records
 
 
+@pytest.mark.slow
+def test_a_grpo_subclass_trains_the_game_too(tmp_path, lengths_game):
+    """Self-play needs a ``group_relative`` objective, not grpo by name: contrastive_grpo trains both players."""
+    cfg = dict(env=lengths_game, prompts_per_step=2, group_size=4, max_new_tokens=16, turn_tokens=16, eval_size=0,
+               temperature=1.5, objective="contrastive_grpo", contrastive_coef=1.0)
+    result = train(small(tmp_path / "run", steps=2, **cfg), **QUIET)
+    records = train_records(result.run_dir)
+    assert len(records) == 2 and all(r["contrastive"] is not None for r in records)
+    learner, attacker = _adapters(result.run_dir, 2)
+    assert any(v.abs().sum() > 0 for k, v in learner.items() if "lora_B" in k)
+    assert any(v.abs().sum() > 0 for k, v in attacker.items() if "lora_B" in k)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--turn-tokens", "8"], "config field turn_tokens: is for a two-policy game's env"),
-    (["--env", "secret_keeping", "--objective", "sft"], "config field objective: self-play trains each player by GRPO"),
+    (["--env", "secret_keeping", "--objective", "sft"], "config field objective: sft cannot train with sampler "
+                                                        "self_play (it trains each player by GRPO over its group"),
     (["--env", "secret_keeping", "--max-turns", "3"], "config field max_turns: a game has one turn each"),
     (["--env", "secret_keeping", "--data", "words"], "config field data: is for single-turn prompts"),
     (["--env", "secret_keeping", "--model", "tiny-arith"],

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from localrl.config import build_config
 from localrl.envs.shell import expert_call
 from localrl.errors import UserError
 from localrl.evaluation.plot import plot_run
@@ -18,6 +17,7 @@ from localrl.generation.agent_rollout import TurnFormat
 from localrl.modeling import load_policy, pick_device
 from localrl.policy.sft import Demo, demo_rollout, end_of_turn, episode_tokens, nll_step
 from localrl.training.loop import resume_config, train
+from localrl.training.settings import build_config
 from tests.helpers import QUIET, localrl, randomise_lora, rel_err, train_records
 
 TURNS = [(expert_call("wc -l < a.txt"), "3\n[exit code 0]"), (expert_call("ls"), "a.txt\n[exit code 0]"),

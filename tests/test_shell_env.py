@@ -196,8 +196,8 @@ def test_tasks_from_a_python_callable(tmp_path, monkeypatch):
 
 
 def test_a_curriculum_restricts_training_tasks_but_not_the_held_out_set():
-    from localrl.config import build_config
     from localrl.envs import environment_for
+    from localrl.training.settings import build_config
 
     setup = environment_for(build_config(None, {"env": "shell", "env_levels": "1", "env_families": "count,edit",
                                           "eval_size": 30}))

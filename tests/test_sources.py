@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from localrl.config import build_config
 from localrl.data import load_task
 from localrl.data.sources import Columns, extract_answer, read_rows
 from localrl.errors import UserError
+from localrl.training.settings import build_config
 
 DATA = Path(__file__).parent / "data" / "gsm8k_shaped.jsonl"
 GSM8K = Columns(prompt="question", answer="answer", answer_format="gsm8k")

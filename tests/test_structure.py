@@ -82,7 +82,8 @@ def test_the_graph_reader_finds_a_planted_cycle():
     graph = import_graph()
     assert "localrl.runs" in graph["localrl.training.loop"] and "localrl.quant.gguf_writer" in graph["localrl.quant.export"]
     # objectives' package imports the config only for annotations (under TYPE_CHECKING): no runtime arrow
-    assert "localrl.config" not in graph["localrl.objectives"] and "localrl.objectives" in graph["localrl.config"]
+    assert "localrl.config" not in graph["localrl.objectives"]
+    assert "localrl.objectives" in graph["localrl.training.settings"]
 
 
 def test_no_import_cycles():
@@ -109,11 +110,9 @@ LAYERS = [
     ("localrl.tui",),  # the terminal UI (it runs training as a `localrl train` subprocess)
     ("localrl.cli", "localrl.__main__"),  # the command line: the one importer of the UI
 ]
-# the arrows that point up, and why: the config asks the plug-in registries (each package module holds only its
-# registry and protocol) whether --env names an environment, for the selected plug-ins' presets, and to check the
-# settings each plug-in owns
-UPWARD = {("localrl.config", "localrl.envs"), ("localrl.config", "localrl.objectives"),
-          ("localrl.config", "localrl.samplers")}
+# the arrows that point up, and why (none: the config is assembled with its plug-ins above their registries, in
+# localrl.training.settings)
+UPWARD: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> int:
@@ -136,6 +135,9 @@ def test_import_arrows_point_down():
     graph = import_graph()
     up = upward(graph)
     assert not up, "imports that point up a layer:\n" + "\n".join(up)
+    # the config checks its own fields; the plug-ins' settings are checked above their registries
+    plugins = {m for m in graph if m.startswith(PLUGIN_PACKAGES)}
+    assert not graph["localrl.config"] & plugins, graph["localrl.config"] & plugins
     importers = lambda target: {m for m, deps in graph.items() if any(d == target or d.startswith(target + ".")
                                                                       for d in deps)}
     # the UI is on top: only the CLI starts it
@@ -150,7 +152,8 @@ def test_the_layer_rule_catches_an_upward_import():
     assert layer_of("localrl.models.build") > layer_of("localrl.models") == 0
     planted = {"localrl.policy.grpo": {"localrl.samplers.completions", "localrl.config"},
                "localrl.config": {"localrl.envs"}, "localrl.runs": {"localrl.data"}}
-    assert upward(planted) == ["localrl.policy.grpo -> localrl.samplers.completions", "localrl.runs -> localrl.data"]
+    assert upward(planted) == ["localrl.config -> localrl.envs", "localrl.policy.grpo -> localrl.samplers.completions",
+                               "localrl.runs -> localrl.data"]
 
 
 def test_every_package_is_installed():

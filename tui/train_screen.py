@@ -25,7 +25,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, RichLog, Static
 
-from localrl.config import TrainConfig, build_config, flag_name, parse_overrides
+from localrl.config import TrainConfig, flag_name, parse_overrides
 from localrl.errors import UserError
 from localrl.metrics import eta_seconds, format_duration, parse_record
 from localrl.runs import Run, is_run
@@ -64,6 +64,7 @@ def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainCo
     flags (which win, as later flags do on the command line), checked as ``localrl train``
     checks them (config.parse_overrides, then the trainer's preflight), before any weights load."""
     from localrl.training.loop import preflight
+    from localrl.training.settings import build_config
 
     try:
         extra = shlex.split(flags)

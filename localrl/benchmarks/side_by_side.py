@@ -485,13 +485,13 @@ def bench_agent_step(model: str = "tiny-shell", prompts: int = 4, group: int = 8
     decoding against its environment steps (sandboxed commands), then the update of those same episodes
     with the shared-prompt forward against the concatenated one (median of ``repeats`` each, alternated,
     gradients checked equal). The optimizer never steps, so every repeat sees the same weights."""
-    from localrl.config import build_config
     from localrl.envs import environment_for, task_seeds
     from localrl.generation.agent_rollout import run_episodes
     from localrl.generation.rollout import stop_token_ids
     from localrl.modeling import load_policy
     from localrl.policy.grpo import policy_update
     from localrl.policy.losses import group_advantages
+    from localrl.training.settings import build_config
 
     cfg = build_config(None, {"env": "shell", "model": model, "prompts_per_step": prompts, "group_size": group,
                               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "quantize": "none",

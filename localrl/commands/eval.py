@@ -10,13 +10,13 @@ from typing import Callable
 
 from localrl.commands import check_png_path, one_line, quiet_libraries
 from localrl.commands.progress import ProgressBar, eval_line
-from localrl.config import build_config
 from localrl.errors import UserError
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
     quiet_libraries()
     from localrl.runs import Run
+    from localrl.training.settings import build_config
 
     cfg = Run.open(args.run).read_config(overrides) if args.run else build_config(None, overrides)
     if args.reliability:
@@ -86,8 +86,9 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.runs import Run
     from localrl.samplers import ModelInfo, sampler_for
+    from localrl.training.settings import check_config
 
-    cfg.validate()
+    check_config(cfg)
     sampler = sampler_for(cfg)(cfg)
     if run is not None:  # an adapter is evaluated on what it was trained for, or the number means nothing
         trained = Run.open(run).read_config()

@@ -7,12 +7,12 @@ import argparse
 
 from localrl.commands import main_rank, quiet_libraries
 from localrl.commands.progress import ProgressBar
-from localrl.config import build_config
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
     quiet_libraries()
     from localrl.training.loop import resume_config, train
+    from localrl.training.settings import build_config
 
     if args.resume:
         cfg = resume_config(args.resume, overrides)

@@ -274,9 +274,8 @@ def check_shell_settings(cfg) -> None:
     """The shell environment's own fields: its tasks, the built-in generator's families and levels, the sandbox."""
     from localrl.config import check_fields, unknown_items
 
-    shell, built_in = cfg.env == "shell", cfg.env == "shell" and not cfg.env_tasks
+    built_in = cfg.env == "shell" and not cfg.env_tasks
     check_fields(cfg, [
-        ("env_tasks", not cfg.env_tasks or shell, "needs env = 'shell'"),
         ("env_families", not unknown_items(cfg.env_families, FAMILIES),
          f"must be a comma-separated subset of {', '.join(FAMILIES)}"),
         ("env_levels", not unknown_items(cfg.env_levels, tuple(map(str, LEVELS))),
@@ -294,7 +293,7 @@ SHELL_PRESET = {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "grou
                 "beta": 0.0, "eval_size": 100, "save_every": 10}
 
 
-@environments.register("shell", preset=SHELL_PRESET, check=check_shell_settings)
+@environments.register("shell", preset=SHELL_PRESET, check=check_shell_settings, owns=("env_tasks",))
 def shell_environment(cfg) -> EnvSetup:
     """The sandboxed shell: the built-in task generator (``env_families``, ``env_levels``) or the user's tasks
     (``env_tasks``: a JSONL file or module:function, whose verifiers are probed here), the strongest sandbox

@@ -49,14 +49,12 @@ def check_person_settings(cfg) -> None:
     from localrl.config import check_fields
 
     person = cfg.env == "shell_person"
-    check_fields(cfg, [("env_tasks", not (person and cfg.env_tasks), "env shell_person trains on the built-in shell "
-                                                                     "tasks"),
-                       ("person_sessions", not cfg.person_sessions or person, "needs env = 'shell_person'"),
-                       ("person_sessions", not person or bool(cfg.person_sessions), "env shell_person learns the "
+    check_fields(cfg, [("person_sessions", not person or bool(cfg.person_sessions), "env shell_person learns the "
                         "person from recorded sessions: name them (localrl agent --record DIR)")])
 
 
-@environments.register("shell_person", preset=SHELL_PRESET, check=check_person_settings)
+@environments.register("shell_person", preset=SHELL_PRESET, check=check_person_settings,
+                       owns=("person_sessions",))
 def shell_person_environment(cfg) -> EnvSetup:
     """The shell's setup, in ``PersonEnv`` with the rules of the sessions ``person_sessions`` names."""
     try:

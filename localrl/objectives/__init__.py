@@ -63,13 +63,18 @@ class Objective:
     rows_per_prompt: int | None = None  # completions a step trains per prompt (None: group_size), for the planner
     sample_rewards = True  # whether its records carry the sampler's rewards (and their shares)
     preset: dict[str, Any] = {}  # what selecting it changes from the defaults, unless the file or the flags set it
+    owns: tuple[str, ...] = ()  # config fields that mean something only when it is selected (localrl.registry)
+    # what it can train on, asked by the samplers that need it (``Sampler.needs``), never by name:
+    samples = True  # it trains on what its sampler samples (sft learns from an environment's expert episodes)
+    group_relative = False  # its advantages compare each group's rows (GRPO's family), however a sampler formed them
+    takes_pairs = False  # it trains on fixed (chosen, rejected) pairs handed over as they are
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
 
     @staticmethod
     def check_settings(cfg: TrainConfig) -> None:
-        """Check its own config fields and the combinations it cannot run with, selected or not (``validate()``
+        """Check its own config fields and the combinations it cannot run with, selected or not (``check_config``
         calls it; ``localrl.config.check_fields`` words the error)."""
 
     def check(self, world: World) -> None:

@@ -6,7 +6,7 @@ such there. Everything else (sampling, advantages, clipping, KL, resume) is GRPO
 
 from __future__ import annotations
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import check_fields
 from localrl.objectives import objectives
 from localrl.objectives.grpo import GRPO
 from localrl.policy.contrastive import Contrast
@@ -14,16 +14,15 @@ from localrl.policy.contrastive import Contrast
 
 @objectives.register("contrastive_grpo")
 class ContrastiveGRPO(GRPO):
+    owns = ("contrastive_coef", "contrastive_temperature", "contrastive_margin")
+
     @staticmethod
     def check_settings(cfg) -> None:
         selected = cfg.objective == "contrastive_grpo"
-        changed = [name for name in ("contrastive_coef", "contrastive_temperature", "contrastive_margin")
-                   if getattr(cfg, name) != FIELDS[name].default]
         check_fields(cfg, [
             ("contrastive_coef", cfg.contrastive_coef >= 0, "must be at least 0"),
             ("contrastive_temperature", cfg.contrastive_temperature > 0, "must be positive"),
             ("contrastive_margin", cfg.contrastive_margin >= 0, "must be at least 0"),
-            *[(name, selected, "applies to objective contrastive_grpo only") for name in changed],
             ("markovian_chunk", not selected or cfg.markovian_chunk == 0,
              "objective contrastive_grpo contrasts whole completions; a Markovian trace's rows are its chunks"),
         ])

@@ -30,7 +30,9 @@ class DPO(Objective):
     rows_per_prompt = 2  # a pair a prompt
     loss_types = DPO_LOSS_TYPES
     combines_losses = True  # loss_type may name several, weighted by loss_weights (TRL's list)
+    takes_pairs = True
     preset = {"beta": 0.1, "loss_type": "sigmoid"}  # TRL's DPOConfig defaults
+    owns = ("loss_weights",)
 
     @staticmethod
     def check_settings(cfg) -> None:
@@ -45,7 +47,6 @@ class DPO(Objective):
             ("label_smoothing", 0 <= cfg.label_smoothing < 0.5, "must be in [0, 0.5)"),
             ("label_smoothing", cfg.label_smoothing == 0 or (dpo and "robust" in named),
              "applies to objective dpo with loss_type robust only"),
-            ("loss_weights", not cfg.loss_weights or dpo, "applies to objective dpo only"),
             ("loss_weights", not weights_wrong, weights_wrong),
             ("loss_type", len(set(named)) == len(named), "names a loss twice"),
             ("beta", not dpo or cfg.beta > 0, "objective dpo: must be positive (DPO's beta scales the log-ratios)"),

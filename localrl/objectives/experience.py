@@ -21,6 +21,8 @@ from localrl.policy.experience import (MAX_LESSON_CHARS, EndpointJudge, Experien
 
 @objectives.register("experience")
 class Experience(Objective):
+    owns = ("experience_init", "experience_judge", "experience_tokens")
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.library: ExperienceLibrary | None = None
@@ -37,11 +39,8 @@ class Experience(Objective):
             ("dynamic_sampling", not (chosen and cfg.dynamic_sampling),
              "experience judges each step's groups as sampled (not with objective experience)"),
             ("experience_size", cfg.experience_size >= 1, "must be at least 1"),
-            ("experience_init", not cfg.experience_init or chosen, "needs objective experience"),
-            ("experience_judge", not cfg.experience_judge or chosen, "needs objective experience"),
             ("experience_judge_tokens", cfg.experience_judge_tokens >= 1, "must be at least 1"),
             ("experience_tokens", cfg.experience_tokens >= 0, "must be non-negative (0: a quarter of the context)"),
-            ("experience_tokens", not cfg.experience_tokens or chosen, "needs objective experience"),
         ])
 
     def check(self, w) -> None:

@@ -51,6 +51,8 @@ class EntropyControl:
 
 @objectives.register("grpo")
 class GRPO(Objective):
+    group_relative = True
+
     def setup(self, ctx: StepContext, state: dict) -> None:
         self.reference = Reference(state.get("reference"))
         self.entropy = EntropyControl(state.get("entropy_coef", self.cfg.entropy_coef),

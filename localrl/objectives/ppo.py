@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import check_fields
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.grpo import batch_plan
 from localrl.policy.losses import flat_group_share
@@ -29,6 +29,7 @@ SETTINGS = ("num_ppo_epochs", "num_mini_batches", "gamma", "lam", "cliprange_val
 @objectives.register("ppo")
 class PPO(Objective):
     preset = {"beta": 0.0}  # the KL is in the reward (kl_coef), as in TRL's PPO; beta adds it to the loss too
+    owns = SETTINGS
 
     @staticmethod
     def check_settings(cfg) -> None:
@@ -44,8 +45,6 @@ class PPO(Objective):
             ("vf_coef", cfg.vf_coef >= 0, "must be non-negative"),
             ("kl_coef", cfg.kl_coef >= 0, "must be non-negative"),
             ("kl_estimator", cfg.kl_estimator in ("k1", "k3"), "must be k1 or k3"),
-            *[(name, chosen or getattr(cfg, name) == FIELDS[name].default, "needs objective ppo")
-              for name in SETTINGS],
             ("objective", not chosen or not cfg.markovian_chunk, "ppo is not for markovian_chunk"),
         ])
 

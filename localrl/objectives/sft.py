@@ -23,6 +23,7 @@ from localrl.policy.sft import demo_rollout, end_of_turn, expert_demos, nll_step
 class SFT(Objective):
     rows_per_prompt = 1  # one (expert) trajectory per task
     sample_rewards = False
+    samples = False
     # `--objective sft` (`localrl sft`) trains on the shell's expert episodes unless env is set. Its learning rate
     # stays the default (2e-3, sized for the built-in models: tiny-shell 25% -> 77% held-out in 30 steps; 5e-4
     # reached 51%); a real model wants less (SmolLM2-135M was warm-started at 5e-4).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import check_fields
 from localrl.errors import UserError
 from localrl.objectives import StepContext, objectives, step_record
 from localrl.objectives.grpo import GRPO
@@ -19,13 +19,13 @@ from localrl.policy.grpo import update
 
 @objectives.register("turn_grpo")
 class TurnGRPO(GRPO):
+    owns = ("turn_discount",)
+
     @staticmethod
     def check_settings(cfg) -> None:
         chosen = cfg.objective == "turn_grpo"
         check_fields(cfg, [
             ("turn_discount", 0 <= cfg.turn_discount <= 1, "must be in [0, 1]"),
-            ("turn_discount", chosen or cfg.turn_discount == FIELDS["turn_discount"].default,
-             "needs objective turn_grpo"),
             ("objective", not chosen or bool(cfg.env), "turn_grpo credits the turns of an episode: it needs env"),
             ("loss_type", not chosen or cfg.loss_type != "vespo",
              "vespo weighs whole sequences; turn_grpo's advantages are per token (another loss_type)"),

@@ -85,6 +85,10 @@ class Batch:
 class Sampler:
     """The base of a sampler; ``prepare``, ``sample`` and ``evaluate`` are its substance."""
 
+    owns: tuple[str, ...] = ()  # config fields that mean something only when it is named (localrl.registry)
+    # the objective capabilities it needs (``Objective.samples``, ``group_relative``, ``takes_pairs``), each with why
+    needs: dict[str, str] = {}
+
     def __init__(self, cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None):
         self.cfg = cfg
 
@@ -95,7 +99,7 @@ class Sampler:
 
     @staticmethod
     def check_settings(cfg: TrainConfig) -> None:
-        """Check its own config fields and the combinations it cannot run with, selected or not (``validate()``
+        """Check its own config fields and the combinations it cannot run with, selected or not (``check_config``
         calls it; ``localrl.config.check_fields`` words the error)."""
 
     def check(self, world: World) -> None:

@@ -25,6 +25,8 @@ from localrl.samplers.completions import Completions
 
 @samplers.register("markovian")
 class Markovian(Completions):
+    needs = {"samples": "Markovian thinking (markovian_chunk) samples its traces"}
+
     @classmethod
     def selects(cls, cfg) -> bool:
         return cfg.markovian_chunk > 0
@@ -38,8 +40,7 @@ class Markovian(Completions):
              "needs markovian_chunk (Markovian thinking is off while markovian_chunk is 0)"),
             ("markovian_carry", carry >= 0 and (chunk == 0 or carry < chunk),
              f"must be non-negative and below markovian_chunk ({chunk})"),
-            ("markovian_chunk", not (chunk and (cfg.env or cfg.objective == "sft")),
-             "Markovian thinking is for single-turn tasks (not env or sft)"),
+            ("markovian_chunk", not (chunk and cfg.env), "Markovian thinking is for single-turn tasks (not env)"),
             ("markovian_chunk", not (chunk and cfg.dynamic_sampling), "does not combine with dynamic_sampling"),
             ("markovian_chunk", not (chunk and cfg.rollout == "llama.cpp"),
              "samples with torch (rollout = auto or torch)"),

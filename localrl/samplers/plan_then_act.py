@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import check_fields
 from localrl.data import FORMAT_PROMPT
 from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.errors import UserError
@@ -81,17 +81,16 @@ class _AfterPlan:
 
 @samplers.register("plan_then_act")
 class PlanThenAct(Completions):
+    owns = _SETTINGS
+    needs = {"group_relative": "its advantages are GRPO's over each prompt's plans"}
+
     @staticmethod
     def check_settings(cfg) -> None:
         chosen = cfg.sampler == "plan_then_act"
         check_fields(cfg, [
-            *[(name, chosen or getattr(cfg, name) == FIELDS[name].default, "needs sampler plan_then_act")
-              for name in _SETTINGS],
             ("plan_count", 2 <= cfg.plan_count <= 16, "must be from 2 to 16 (plans compete with each other)"),
             ("plan_tokens", 1 <= cfg.plan_tokens <= 1024, "must be from 1 to 1024"),
             ("plan_weight", cfg.plan_weight >= 0, "must be at least 0"),
-            ("sampler", not chosen or cfg.objective == "grpo",
-             f"plan_then_act's advantages are GRPO's over each prompt's plans (objective grpo, not {cfg.objective})"),
             ("sampler", not chosen or not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
              "plan_then_act samples prompt completions: not with env, markovian_chunk or dynamic_sampling"),
         ])

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from localrl.agent.session_log import FILE as SESSIONS
-from localrl.config import check_fields
 from localrl.data import GENERATORS, Task, held_out_split, system_prompt
 from localrl.data.preferences import builtin_pair, is_session, preference_row, session_pairs
 from localrl.data.sources import Columns, is_missing, raw_rows
@@ -34,15 +33,12 @@ from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
 
 @samplers.register("preferences")
 class Preferences(Sampler):
+    needs = {"takes_pairs": "it hands over fixed pairs"}
+
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)
         self.task: Task | None = None
         self.end_id: int | None = None  # the token that ends an assistant turn, known once the model is
-
-    @staticmethod
-    def check_settings(cfg) -> None:
-        check_fields(cfg, [("sampler", cfg.sampler != "preferences" or cfg.objective == "dpo",
-                            "preferences hands over fixed pairs, which only objective dpo trains on")])
 
     def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
         cfg = self.cfg

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import check_fields
 from localrl.data.arithmetic import parse_question, worked_answer
 from localrl.data.jsonl import check_prompt, json_objects, last_message
 from localrl.data.rewards import combine, reward_names, reward_stats, score
@@ -96,18 +96,17 @@ def read_traces(path: str) -> dict[str, str]:
 
 @samplers.register("prefix_tree")
 class PrefixTree(Completions):
+    owns = _SETTINGS
+    needs = {"group_relative": "its advantages are GRPO's, staged over the tree"}
+
     @staticmethod
     def check_settings(cfg) -> None:
         chosen = cfg.sampler == "prefix_tree"
         check_fields(cfg, [
-            *[(name, chosen or getattr(cfg, name) == FIELDS[name].default, "needs sampler prefix_tree")
-              for name in _SETTINGS],
             ("tree_prefixes", 1 <= cfg.tree_prefixes <= 16, "must be from 1 to 16"),
             ("tree_baseline", cfg.tree_baseline in TREE_BASELINES, f"must be one of {', '.join(TREE_BASELINES)}"),
             ("teacher_traces", not chosen or bool(cfg.teacher_traces) or cfg.data == "arith",
              "the built-in solver's traces are of the addition task (data arith); give a JSONL of {prompt, trace}"),
-            ("sampler", not chosen or cfg.objective == "grpo",
-             f"prefix_tree's advantages are GRPO's, staged over the tree (objective grpo, not {cfg.objective})"),
             ("sampler", not chosen or not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
              "prefix_tree samples prompt completions: not with env, markovian_chunk or dynamic_sampling"),
         ])

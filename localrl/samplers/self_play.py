@@ -63,6 +63,8 @@ def game_figures(outcomes: list[dict]) -> dict[str, float]:
 
 @samplers.register("self_play")
 class SelfPlay(Sampler):
+    needs = {"group_relative": "it trains each player by GRPO over its group"}
+
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)
         self.game: Game | None = None
@@ -79,8 +81,6 @@ class SelfPlay(Sampler):
               for name in _SETTINGS],
             ("self_play_round", cfg.self_play_round >= 1, "must be at least 1"),
             ("turn_tokens", cfg.turn_tokens >= 1, "must be at least 1"),
-            ("objective", not game or cfg.objective == "grpo",
-             f"self-play trains each player by GRPO over its group (objective grpo, not {cfg.objective})"),
             ("sync_ref_model", not (game and cfg.sync_ref_model), "the KL reference of self-play is the base (no sync)"),
             ("unsloth", not (game and cfg.unsloth), "self-play's second adapter is PEFT's (not with unsloth)"),
             ("max_turns", not game or cfg.max_turns == FIELDS["max_turns"].default,

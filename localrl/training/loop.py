@@ -41,6 +41,7 @@ from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_wei
 from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
 from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
+from localrl.training.settings import check_config
 
 
 @dataclass
@@ -103,7 +104,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
     the sampler's settings (what they refuse under torchrun included), the reward, the model (architecture,
     whole weight files), the adapter to start from (of a new run), the data (every prompt must fit the
     model's context together with max_new_tokens), and the memory of every phase against the budget."""
-    cfg.validate()
+    check_config(cfg)
     objective = objective_for(cfg)
     sampler = sampler_for(cfg)(cfg, rewards)
     objective.check(world())

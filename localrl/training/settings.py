@@ -1,0 +1,69 @@
+"""A run's config assembled with its plug-ins: the selected objective's and environment's presets, and every
+registered plug-in's checks of its own settings, above the registries (``localrl.config`` holds the fields and
+checks its own; it imports no plug-in).
+
+    build_config(file, overrides)   # defaults < env preset < objective preset < file < flags, then check_config
+    check_config(cfg)               # the config's own fields, the loss type the objective takes, each plug-in's,
+                                    # and what the sampler needs of the objective (capabilities, not names)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from localrl.config import FIELDS, LOSS_TYPES, TrainConfig, check_fields, config_values
+from localrl.envs import environments
+from localrl.errors import UserError
+from localrl.objectives import objectives
+from localrl.samplers import sampler_for, samplers
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, the selected plug-ins' presets, then the TOML file, then overrides; checked (``check_config``)."""
+    values = config_values(file, overrides)
+    # the objective's preset first: it may choose the environment, whose preset then applies
+    for k, v in objectives.preset(values.get("objective", FIELDS["objective"].default)).items():
+        values.setdefault(k, v)
+    for k, v in environments.preset(values.get("env", FIELDS["env"].default)).items():
+        values.setdefault(k, v)
+    return check_config(TrainConfig(**values))
+
+
+def check_config(cfg: TrainConfig) -> TrainConfig:
+    """Raise UserError naming the first impossible setting: the config's own fields (``TrainConfig.validate``),
+    the plug-ins it names, the loss type its objective takes, and each registered plug-in's own settings and the
+    combinations it cannot run with (``localrl.registry``); returns ``cfg``."""
+    cfg.validate()
+    check_fields(cfg, [
+        ("sampler", not cfg.sampler or samplers.known(cfg.sampler),
+         f"must be empty or one of {', '.join(samplers.names())} (or package.module:Class)"),
+        ("env", not cfg.env or environments.known(cfg.env),
+         f"must be empty or one of {', '.join(environments.names())} (or package.module:function)"),
+    ])
+    # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's, which may
+    # name several, comma-separated, as TRL's DPOConfig takes a list)
+    objective = dict(objectives.items()).get(cfg.objective)
+    loss_types = getattr(objective, "loss_types", LOSS_TYPES)
+    several = getattr(objective, "combines_losses", False)
+    named = cfg.loss_type.split(",") if several else [cfg.loss_type]
+    check_fields(cfg, [("loss_type", all(n.strip() in loss_types for n in named),
+                        f"must be one of {', '.join(loss_types)} for objective {cfg.objective}" + (
+                            " (or several, comma-separated)" if several else ""))])
+    for registry in (objectives, samplers, environments):
+        registry.check_settings(cfg)
+    check_capabilities(cfg)
+    return cfg
+
+
+def check_capabilities(cfg: TrainConfig) -> None:
+    """The objective can train on what the sampler hands it: each capability the sampler ``needs`` is one the
+    objective declares (``Objective.samples``, ``group_relative``, ``takes_pairs``), asked of the plug-ins, never
+    of their names."""
+    sampler, objective = sampler_for(cfg), objectives.get(cfg.objective)
+    for capability, why in getattr(sampler, "needs", {}).items():
+        if not getattr(objective, capability, False):
+            name = next((n for n, s in samplers.items() if s is sampler), cfg.sampler)
+            able = sorted(n for n, o in objectives.items() if getattr(o, capability, False))
+            raise UserError(f"config field objective: {cfg.objective} cannot train with sampler {name} ({why}; "
+                            f"objectives that can: {', '.join(able) or 'none'})", field="objective")
