@@ -184,6 +184,34 @@ def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(re
         objectives.unregister("ranks")
 
 
+def test_two_samplers_claiming_one_config_is_one_line_never_a_pick_by_module_order():
+    """A user's sampler that claims every config with an env, beside the built-in episodes sampler: the config
+    must name one; named, or alone in its claim, it is taken. The bases declare what a plug-in must write."""
+    import inspect
+
+    from localrl.samplers import Sampler, sampler_for
+    from localrl.samplers.completions import Completions
+    from localrl.training.settings import build_config
+
+    class Everything(Completions):
+        @classmethod
+        def selects(cls, cfg) -> bool:
+            return True
+
+    samplers.register("everything", Everything)
+    try:
+        with pytest.raises(UserError, match=r"^config field sampler: samplers episodes, everything each claim this "
+                                            r"config; name one \(--sampler NAME\)$"):
+            build_config(None, {"env": "shell"})
+        assert sampler_for(build_config(None, {"env": "shell", "sampler": "everything"})) is Everything
+        assert sampler_for(build_config(None, {})) is Everything  # the only claim
+    finally:
+        samplers.unregister("everything")
+    assert Sampler.__abstractmethods__ == {"prepare", "sample", "evaluate"}
+    assert Objective.__abstractmethods__ == {"step"}
+    assert "stops" in inspect.signature(Sampler.evaluate).parameters
+
+
 def test_an_unknown_plugin_is_one_line_naming_the_field(registered, tmp_path, capsys):
     from localrl.cli import main
 

@@ -20,6 +20,7 @@ arguments; the config is never rewritten to carry it.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +58,8 @@ class StepContext:
     log: Any = print
 
 
-class Objective:
-    """The base of an objective: every hook but ``step`` has a default that does nothing."""
+class Objective(ABC):
+    """The base of an objective: every hook but ``step`` (abstract) has a default that does nothing."""
 
     rows_per_prompt: int | None = None  # completions a step trains per prompt (None: group_size), for the planner
     sample_rewards = True  # whether its records carry the sampler's rewards (and their shares)
@@ -93,9 +94,9 @@ class Objective:
     def setup(self, ctx: StepContext, state: dict) -> None:
         """After the model loaded; ``state``: what ``state()`` returned at the checkpoint resumed from ({} new)."""
 
+    @abstractmethod
     def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
         """One step (0-based ``step``; ``tokens``: this step's completion budget); its metrics record."""
-        raise NotImplementedError
 
     def after_step(self, ctx: StepContext, step: int, record: dict) -> None:
         """After the ranks' records are pooled, before the record is written: may add to it."""

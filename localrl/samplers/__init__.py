@@ -2,18 +2,21 @@
 
 A sampler is named by the config's ``sampler`` (Tree-OPO's prefix trees: ``prefix_tree``), or chosen by the
 rest of it: each registered sampler says whether a config ``selects`` it (multi-turn episodes when ``env`` is set,
-Markovian traces when ``markovian_chunk`` is), and prompt completions are the default. The run's own evaluations, ``localrl eval``, the terminal UI
-and the benchmarks all evaluate through the sampler's ``evaluate``, so one checkpoint gives one figure.
+Markovian traces when ``markovian_chunk`` is), prompt completions are the default, and two samplers claiming one
+config is an error that asks for ``sampler`` to name one (never a pick by module order). The run's own evaluations,
+``localrl eval``, the terminal UI and the benchmarks all evaluate through the sampler's ``evaluate``, so one
+checkpoint gives one figure.
 
     sampler = sampler_for(cfg)                    # the class; sampler_for(cfg)(cfg, rewards) the instance
     plan = sampler.prepare(info)                  # before weights load: data, prompts against the context
     sampler.start(model, tok, budget)             # after the model loaded (e.g. llama.cpp's copy)
     batch = sampler.sample(ctx, step, tokens, system)    # a step's scored rollouts (``Batch``)
-    sampler.evaluate(model, tok, progress, batch_size, system)  # held-out figures
+    sampler.evaluate(model, tok, progress, batch_size, system, stops=stops)  # held-out figures
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,8 +85,8 @@ class Batch:
     turn_rewards: list[list[float]] | None = None
 
 
-class Sampler:
-    """The base of a sampler; ``prepare``, ``sample`` and ``evaluate`` are its substance."""
+class Sampler(ABC):
+    """The base of a sampler; ``prepare``, ``sample`` and ``evaluate`` are its substance (abstract)."""
 
     owns: tuple[str, ...] = ()  # config fields that mean something only when it is named (localrl.registry)
     # the objective capabilities it needs (``Objective.samples``, ``group_relative``, ``takes_pairs``), each with why
@@ -105,11 +108,11 @@ class Sampler:
     def check(self, world: World) -> None:
         """Refuse what it cannot run with in this launch (torchrun), in one line naming the field."""
 
+    @abstractmethod
     def prepare(self, info: ModelInfo | None, reserve: int = 0) -> Plan:
         """Load and check the data before any weights load (``info`` None: for evaluation only, unchecked);
         ``reserve``: tokens the objective adds to every prompt (``Objective.prompt_tokens``), held free in the
         context and counted in the plan."""
-        raise NotImplementedError
 
     def start(self, model, tok, budget) -> None:
         """After the model loaded."""
@@ -124,12 +127,17 @@ class Sampler:
         """The reward the hacking monitor reads from each record's ``rewards`` (None: no monitor)."""
         return None
 
+    @abstractmethod
     def sample(self, ctx, step: int, tokens: int, system: Callable[[str | None], str | None]) -> Batch:
-        raise NotImplementedError
+        """A step's scored rollouts (0-based ``step``; ``tokens``: its completion budget; ``system``: the
+        objective's system message for a task's own)."""
 
+    @abstractmethod
     def evaluate(self, model, tok, progress=None, batch_size: int = 64,
-                 system: Callable[[str | None], str | None] = lambda s: s, samples: int = 0) -> dict:
-        raise NotImplementedError
+                 system: Callable[[str | None], str | None] = lambda s: s, samples: int = 0,
+                 stops: list[int] | None = None) -> dict:
+        """Held-out figures of ``model`` (``samples``: how many decoded examples to keep; ``stops``: the token
+        ids that end a completion, the run's own when a run evaluates)."""
 
     def after_step(self, record: dict) -> None:
         """The record pooled over ranks: may add to it."""
@@ -149,8 +157,12 @@ class Sampler:
 
 
 def sampler_for(cfg: TrainConfig) -> type[Sampler]:
-    """The sampler class ``cfg`` names (``sampler``) or selects (the default, prompt completions, when none does)."""
+    """The sampler class ``cfg`` names (``sampler``), else the one registered sampler whose ``selects`` claims
+    ``cfg`` (the default, prompt completions, when none does); two that claim it are one line asking to name one."""
     if cfg.sampler:
         return samplers.get(cfg.sampler)
-    chosen = [s for name, s in samplers.items() if name != DEFAULT and s.selects(cfg)]
-    return chosen[0] if chosen else samplers.get(DEFAULT)
+    claims = sorted(name for name, s in samplers.items() if name != DEFAULT and s.selects(cfg))
+    if len(claims) > 1:
+        raise UserError(f"config field sampler: samplers {', '.join(claims)} each claim this config; name one "
+                        f"(--sampler NAME)", field="sampler")
+    return samplers.get(claims[0] if claims else DEFAULT)
