@@ -26,7 +26,6 @@ from typing import Any
 from localrl.errors import UserError
 
 BUILTIN_TASKS = ("arith", "words", "drafts")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")  # TRL's; maths in localrl.policy.losses
 SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
@@ -289,7 +288,8 @@ class TrainConfig:
                                 "name): none, tensorboard (event files in the run directory), trackio (its local "
                                 "store), or package.module:Class")
     device: str = _f("auto", "auto, cpu or cuda")
-    threads: int = _f(0, "CPU threads for torch (0: all cores)")
+    threads: int = _f(0, "CPU threads for torch and llama.cpp rollouts (0: torch's default, OMP_NUM_THREADS or "
+                           "all cores)")
 
     def validate(self) -> "TrainConfig":
         """Raise UserError naming the first impossible setting of the config's own fields; returns self. The

@@ -147,3 +147,28 @@ def test_the_loss_settings_are_the_configs_loss_fields():
         LossSettings("dapo", beta=0.1, epsilon_high=0.28)
     assert {f.name: f.default for f in fields(LossSettings)} == \
         {f.name: f.default for f in fields(TrainConfig) if f.name in LOSS_FIELDS}
+
+
+def test_a_loss_is_one_registered_function_that_a_run_can_name():
+    """A new loss type is one decorated function: the config takes its name, and the step's loss sums its per-token
+    term and divides by what it registered; every registered name is in --loss-type's help."""
+    from localrl.config import FIELDS
+    from localrl.errors import UserError
+    from localrl.policy.losses import LOSSES, PerToken, loss_normalizer, policy_loss
+    from localrl.training.settings import build_config
+
+    assert all(name in FIELDS["loss_type"].metadata["help"] for name in LOSSES)
+    with pytest.raises(UserError, match="loss_type: must be one of grpo, .*vespo for objective grpo"):
+        build_config(None, {"loss_type": "reinforce"})
+    policy_loss("reinforce", divisor="completions")(lambda t, s: PerToken(-t.advantages * t.logp))
+    try:
+        assert build_config(None, {"loss_type": "reinforce"}).loss_type == "reinforce"
+        logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+        mask = torch.tensor([[1, 1], [1, 0]])
+        loss, stats = grpo_loss(logp, logp, torch.tensor([1.0, -2.0]), mask, LossSettings("reinforce", beta=0.0))
+        assert loss.item() == pytest.approx(3.0 - 1.0) and stats["clip_frac"] == 0.0  # (1 + 2) + (-2 x 0.5)
+        assert loss_normalizer("reinforce", mask, 2) == 2.0
+        with pytest.raises(ValueError, match="registered twice"):
+            policy_loss("reinforce")(lambda t, s: PerToken(t.logp))
+    finally:
+        del LOSSES["reinforce"]

@@ -477,7 +477,8 @@ def python_for_nobody() -> list[str] | None:
 @pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="switching to an unprivileged user needs root")
 def test_every_attack_fails_for_an_unprivileged_caller_too():
-    """CI runs as root; people run localrl as themselves. This file again, as nobody."""
+    """CI runs as root; people run localrl as themselves. This file again, as nobody (in one process: xdist's
+    workers would start without the site directories this command line adds)."""
     python, repo = python_for_nobody(), Path(__file__).resolve().parents[1]
     if python is None or not reachable_by_anyone(str(repo)):
         pytest.skip("no Python that nobody may run reaches this environment and checkout")
@@ -486,7 +487,7 @@ def test_every_attack_fails_for_an_unprivileged_caller_too():
     try:
         done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *python,
                                str(repo / "tests" / "test_sandbox.py"), "-q", "-p", "no:cacheprovider",
-                               "-m", "not slow", "--basetemp", str(base / "t"), "--rootdir", str(repo)],
+                               "-n", "0", "-m", "not slow", "--basetemp", str(base / "t"), "--rootdir", str(repo)],
                               cwd=repo, env={"PATH": os.environ["PATH"], "HOME": str(base),
                                              "PYTHONPATH": str(repo)},
                               capture_output=True, text=True, timeout=600)

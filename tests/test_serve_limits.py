@@ -177,3 +177,16 @@ def test_a_slow_head_is_timed_from_its_first_byte_and_an_idle_connection_closed_
     # nothing sent: closed at the idle time, with nothing answered
     elapsed, answer = _answer(bounded_server, 0, [], 0)
     assert answer == b"" and 1.3 < elapsed < 2.5, (elapsed, answer)
+
+
+def test_a_head_under_the_bound_is_served_however_it_arrives(bounded_server):
+    """h11's own bound on an unfinished head (16 KiB) is not the server's: a 40 KiB head sent in two pieces (the
+    first unfinished and over 16 KiB) is served, and one over ``max_header_bytes`` is a 431 naming it either way."""
+    head = b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (40 << 10) + b"\r\n\r\n"
+    for pieces in ([head], [head[:20 << 10], head[20 << 10:]]):
+        _, answer = _answer(bounded_server, 0, pieces, 0.1)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+    big = b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (70 << 10)
+    for pieces in ([big], [big[:20 << 10], big[20 << 10:]]):
+        _, answer = _answer(bounded_server, 0, pieces, 0.1)
+        assert answer.startswith(b"HTTP/1.1 431") and b"max_header_bytes" in answer, answer

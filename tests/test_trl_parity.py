@@ -5,13 +5,14 @@ the same gradient on every LoRA weight; and localrl's gradient must not depend o
 import pytest
 import torch
 
-from localrl.config import LOSS_TYPES, TrainConfig
+from localrl.config import TrainConfig
 from localrl.generation.rollout import Rollout, left_pad
 from localrl.modeling import load_policy, pick_device
 from localrl.policy.grpo import policy_update
-from localrl.policy.losses import group_advantages
+from localrl.policy.losses import LOSSES, group_advantages
 
 G, R, TEMPERATURE = 4, 9, 0.7
+LOSS_TYPES = tuple(LOSSES)  # every registered policy loss: each one TRL has
 
 
 def _policy(model_dir, b_std: float = 0.2, compute_dtype: str = "float32"):

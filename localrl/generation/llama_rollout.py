@@ -17,11 +17,11 @@ recomputes them with the torch policy.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from localrl.errors import UserError
 from localrl.quant.runtime import quiet, require_llama_cpp
@@ -55,7 +55,7 @@ class LlamaCppSampler:
         cparams.n_batch = max(max_rows * max_tokens, 512)  # every prompt in one call (run 512 tokens at a time)
         cparams.n_ubatch = 512
         cparams.n_seq_max = max_rows
-        cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
+        cparams.n_threads = cparams.n_threads_batch = threads or torch.get_num_threads()  # the run's (--threads)
         cparams.kv_unified = False
         cparams.no_perf = True
         with quiet():

@@ -27,7 +27,7 @@ class ContrastiveGRPO(GRPO):
              "objective contrastive_grpo contrasts whole completions; a Markovian trace's rows are its chunks"),
         ])
 
-    def update_terms(self, step: int) -> dict:
+    def update_terms(self, step: int, batch) -> dict:
         return {"contrast": Contrast.at(self.cfg, step)}
 
     def summary(self, record: dict) -> str:

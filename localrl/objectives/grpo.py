@@ -13,11 +13,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from localrl.config import TrainConfig
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.grpo import update
 from localrl.policy.reference import Reference
+
+if TYPE_CHECKING:
+    from localrl.samplers import Batch
 
 
 @dataclass
@@ -62,16 +66,21 @@ class GRPO(Objective):
         t0 = time.time()
         batch = ctx.sampler.sample(ctx, step, tokens, self.system)
         rewards = batch.rewards if batch.train_rewards is None else batch.train_rewards
+        terms = {"reward_rows": batch.reward_rows, "advantages": batch.advantages, **self.update_terms(step, batch)}
         stats = update(ctx.model, ctx.optimizer, batch.rollout, rewards, self.cfg, step, ctx.budget, batch.sampler_logp,
-                       self.reference, self.entropy.applied(self.cfg), reward_rows=batch.reward_rows,
-                       max_len=batch.max_len, advantages=batch.advantages, **self.update_terms(step))
+                       self.reference, self.entropy.applied(self.cfg), max_len=batch.max_len, **terms)
         record = step_record(step, batch.rewards, batch.scores, batch.names, stats,  # of every completion sampled
                              batch.lengths, batch.truncated, t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"],
                              ctx.device)
-        return {**record, **batch.extra}
+        return {**record, **self.batch_record(batch), **batch.extra}
 
-    def update_terms(self, step: int) -> dict:
-        """Terms a variant adds to the update at 0-based ``step`` (keyword arguments of ``update``); GRPO: none."""
+    def update_terms(self, step: int, batch: Batch) -> dict:
+        """What a variant passes to ``update`` at 0-based ``step`` for ``batch``, over GRPO's (keyword arguments:
+        the sampler's ``advantages`` replaced, a ``contrast`` added); GRPO: nothing."""
+        return {}
+
+    def batch_record(self, batch: Batch) -> dict:
+        """What a variant adds to the step's record from ``batch``; GRPO: nothing."""
         return {}
 
     def after_step(self, ctx: StepContext, step: int, record: dict) -> None:

@@ -7,14 +7,11 @@ GRPO's.
 
 from __future__ import annotations
 
-import time
-
 from localrl.config import check_fields
 from localrl.errors import UserError
-from localrl.objectives import StepContext, objectives, step_record
+from localrl.objectives import objectives
 from localrl.objectives.grpo import GRPO
 from localrl.policy.credit import turn_advantages
-from localrl.policy.grpo import update
 
 
 @objectives.register("turn_grpo")
@@ -36,19 +33,13 @@ class TurnGRPO(GRPO):
     def check(self, w) -> None:
         w.one_process("objective", "turn_grpo")
 
-    def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
-        t0 = time.time()
-        batch = ctx.sampler.sample(ctx, step, tokens, self.system)
+    def update_terms(self, step: int, batch) -> dict:
         if batch.turn_spans is None:
             raise UserError("config field objective: turn_grpo needs a sampler of episodes (env)", field="objective")
         width = batch.rollout.completion_ids.size(1)
-        advantages = turn_advantages(batch.turn_spans, batch.turn_rewards, batch.rewards.tolist(), self.cfg.group_size,
-                                     width, self.cfg.turn_discount)
-        stats = update(ctx.model, ctx.optimizer, batch.rollout, batch.rewards, self.cfg, step, ctx.budget,
-                       batch.sampler_logp, self.reference, self.entropy.applied(self.cfg), max_len=batch.max_len,
-                       advantages=advantages)
-        record = step_record(step, batch.rewards, batch.scores, batch.names, stats, batch.lengths, batch.truncated,
-                             t0, batch.gen_s, ctx.optimizer.param_groups[0]["lr"], ctx.device)
+        return {"advantages": turn_advantages(batch.turn_spans, batch.turn_rewards, batch.rewards.tolist(),
+                                              self.cfg.group_size, width, self.cfg.turn_discount)}
+
+    def batch_record(self, batch) -> dict:
         given = [r for rewards in batch.turn_rewards for r in rewards]
-        record["turn_reward_mean"] = sum(given) / len(given) if given else None  # the process rewards given
-        return {**record, **batch.extra}
+        return {"turn_reward_mean": sum(given) / len(given) if given else None}  # the process rewards given

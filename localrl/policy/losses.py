@@ -28,11 +28,13 @@ TRL's own ``GRPOTrainer`` code (tests/test_trl_parity.py). Names and meanings ar
 from __future__ import annotations
 
 import math
-from dataclasses import field, fields, make_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import NamedTuple
 
 import torch
 
-from localrl.config import IS_MODES, LOSS_TYPES, TrainConfig
+from localrl.config import IS_MODES, TrainConfig
 
 ADV_EPS = 1e-4
 
@@ -134,6 +136,106 @@ def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+class TokenTerms(NamedTuple):
+    """What a loss type's per-token term is computed from: [N, R] per token, or [N, 1] per completion."""
+
+    logp: torch.Tensor  # the policy's log-probability of each token (with gradient)
+    log_ratio: torch.Tensor  # logp minus the log-probability of the policy that sampled, per token
+    ratio: torch.Tensor  # the importance ratio: per token, or per completion (GSPO's sequence level)
+    advantages: torch.Tensor  # [N, 1] per completion, or [N, R] per token (turn credit)
+    mask: torch.Tensor  # 1.0 on the completions' real tokens
+    weights: torch.Tensor | None  # the sampler's importance weights ([N, R] or [N, 1]), if any
+
+
+class PerToken(NamedTuple):
+    """A loss type's answer: each token's policy loss, where a clip took the gradient away (for ``clip_frac``; None
+    where the type has no clip), and whether the sampler's weights are already folded into it."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor | None = None
+    weighted: bool = False
+
+
+@dataclass(frozen=True)
+class LossType:
+    """A registered policy loss: its per-token term, and how a step's token losses become the step's loss."""
+
+    name: str
+    per_token: Callable[[TokenTerms, "LossSettings"], PerToken]
+    completion_mean: bool  # each completion's token mean, then summed over completions; else every token summed
+    divisor: str  # what the whole step's summed loss is divided by: "completions", "tokens", "completions x length"
+
+    def normalizer(self, mask: torch.Tensor, max_completion_length: int) -> float:
+        rows = mask.size(0)
+        if self.divisor == "completions":
+            return float(rows)
+        if self.divisor == "tokens":
+            return max(float(mask.sum()), 1.0)
+        return float(rows * max_completion_length)
+
+
+LOSSES: dict[str, LossType] = {}  # every policy loss, by TRL's name (``loss_type``), in the order registered
+DIVISORS = ("completions", "tokens", "completions x length")
+
+
+def policy_loss(name: str, *, completion_mean: bool = False, divisor: str = "tokens"):
+    """Register the decorated per-token term as loss type ``name`` (a function may take several names)."""
+    if divisor not in DIVISORS:
+        raise ValueError(f"loss type {name}: divisor {divisor!r} is not one of {', '.join(DIVISORS)}")
+
+    def register(fn):
+        if name in LOSSES:
+            raise ValueError(f"loss type {name} is registered twice")
+        LOSSES[name] = LossType(name, fn, completion_mean, divisor)
+        return fn
+    return register
+
+
+def registered_loss(name: str) -> LossType:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss type {name!r}; use one of {', '.join(LOSSES)}") from None
+
+
+@policy_loss("luspo", divisor="completions")  # (decorators apply bottom-up: grpo is registered first)
+@policy_loss("dapo")
+@policy_loss("dr_grpo", divisor="completions x length")
+@policy_loss("bnpo")
+@policy_loss("grpo", completion_mean=True, divisor="completions")
+def clipped_surrogate(t: TokenTerms, s: LossSettings) -> PerToken:
+    """PPO's clipped surrogate, the clip range [1 - epsilon, 1 + epsilon_high] and the unclipped ratio capped at
+    ``delta`` if set (INTELLECT-2's two-sided clipping); where the clip is active the token has no gradient."""
+    clipped_ratio = torch.clamp(t.ratio, 1.0 - s.epsilon, 1.0 + (s.epsilon_high or s.epsilon))
+    unclipped_ratio = torch.clamp(t.ratio, max=s.delta) if s.delta else t.ratio
+    return PerToken(-torch.minimum(unclipped_ratio * t.advantages, clipped_ratio * t.advantages),
+                    clipped_ratio * t.advantages < unclipped_ratio * t.advantages)
+
+
+@policy_loss("cispo")
+def cispo(t: TokenTerms, s: LossSettings) -> PerToken:
+    """MiniMax-M1's CISPO: the ratio capped at ``epsilon_high`` and detached, times the advantage and the
+    log-probability: every token keeps a gradient."""
+    cap = s.epsilon_high or s.epsilon
+    capped = torch.clamp(t.ratio, max=cap).detach()
+    return PerToken(-capped * t.advantages * t.logp, (t.ratio > cap) & (t.advantages > 0))
+
+
+@policy_loss("sapo", completion_mean=True, divisor="completions")
+def sapo(t: TokenTerms, s: LossSettings) -> PerToken:
+    """SAPO's soft gate: a sigmoid of the ratio, its temperature by the advantage's sign, in place of the clip."""
+    temperature = torch.where(t.advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+    return PerToken(-torch.sigmoid(temperature * (t.ratio - 1.0)) * 4.0 / temperature * t.advantages)
+
+
+@policy_loss("vespo")
+def vespo(t: TokenTerms, s: LossSettings) -> PerToken:
+    """VESPO: the advantage times the log-probability, scaled by the gamma weight of the sequence ratio (the
+    sampler's weights folded into it)."""
+    phi = vespo_weights(t.advantages, t.log_ratio, t.mask, s, t.weights)
+    return PerToken(-phi * t.advantages * t.logp, weighted=True)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -155,7 +257,7 @@ def grpo_loss(
     (the others), so that micro-batches add up exactly to the loss of the whole batch, and statistics.
     """
     s = settings
-    eps_high = s.epsilon_high or s.epsilon
+    kind = registered_loss(s.loss_type)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # [N, 1], or [N, R] per token (turn credit)
     maskf = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [N, R]
@@ -166,34 +268,18 @@ def grpo_loss(
     else:
         raise ValueError(f"unknown importance_sampling_level {s.importance_sampling_level!r}; use token or sequence")
     ratio = torch.exp(log_ratio_used)  # [N, R] or [N, 1]
+    term = kind.per_token(TokenTerms(logp, log_ratio, ratio, adv, maskf, weights), s)
+    per_token = term.loss
     stats: dict[str, float] = {"clip_frac": 0.0}
-    if s.loss_type == "cispo":
-        capped = torch.clamp(ratio, max=eps_high).detach()
-        per_token = -capped * adv * logp
-        clipped = (ratio > eps_high) & (adv > 0)
-    elif s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        clipped_ratio = torch.clamp(ratio, 1.0 - s.epsilon, 1.0 + eps_high)
-        unclipped_ratio = torch.clamp(ratio, max=s.delta) if s.delta else ratio
-        per_token = -torch.minimum(unclipped_ratio * adv, clipped_ratio * adv)
-        clipped = clipped_ratio * adv < unclipped_ratio * adv  # the clip is active: no gradient
-    elif s.loss_type == "sapo":
-        temperature = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
-        per_token = -torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature * adv
-        clipped = None
-    elif s.loss_type == "vespo":
-        per_token = -vespo_weights(advantages[:, None], log_ratio, maskf, s, weights) * adv * logp
-        clipped, weights = None, None  # the sampler's weights are folded into phi
-    else:
-        raise ValueError(f"unknown loss type {s.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
-    if clipped is not None:
-        stats["clip_frac"] = masked_mean(clipped.expand_as(logp).float(), mask).item()
+    if term.clipped is not None:
+        stats["clip_frac"] = masked_mean(term.clipped.expand_as(logp).float(), mask).item()
     if s.off_policy_mask_threshold:
         keep = off_policy_mask(adv, logp, old_logp if sampling_logp is None else sampling_logp, maskf,
                                s.off_policy_mask_threshold)
         per_token = per_token * keep
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
-    if weights is not None:
+    if weights is not None and not term.weighted:
         per_token = per_token * weights
     if ref_logp is not None and s.beta > 0:
         kl = kl_k3(logp, ref_logp)
@@ -201,11 +287,9 @@ def grpo_loss(
         if s.use_bias_correction_kl:
             kl = kl * ratio
         per_token = per_token + s.beta * kl
-    if s.loss_type in ("grpo", "sapo"):
-        loss = ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).sum()
-    else:
-        loss = (per_token * maskf).sum()
-    return loss, stats
+    if kind.completion_mean:
+        return ((per_token * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).sum(), stats
+    return (per_token * maskf).sum(), stats
 
 
 def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
@@ -233,14 +317,8 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: to
 
 def loss_normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
     """What the summed loss of a step's batch (``mask``: [N, R], every completion of the step) is divided
-    by: N for ``grpo``, ``sapo`` and ``luspo``, the number of completion tokens for ``bnpo``, ``dapo``,
-    ``cispo`` and ``vespo``, N x the longest allowed completion for ``dr_grpo``. TRL divides each micro-batch by its own count for ``bnpo``;
-    here both token-averaged types use the whole batch's, so the gradient does not depend on the split."""
-    rows = mask.size(0)
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return float(rows)
-    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
-        return max(float(mask.sum()), 1.0)
-    if loss_type == "dr_grpo":
-        return float(rows * max_completion_length)
-    raise ValueError(f"unknown loss type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+    by, as the loss type registers it: N (``grpo``, ``sapo``, ``luspo``), the number of completion tokens
+    (``bnpo``, ``dapo``, ``cispo``, ``vespo``), or N x the longest allowed completion (``dr_grpo``). TRL divides
+    each micro-batch by its own count for ``bnpo``; here both token-averaged types use the whole batch's, so the
+    gradient does not depend on the split."""
+    return registered_loss(loss_type).normalizer(mask, max_completion_length)

@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localrl.config import FIELDS, LOSS_TYPES, TrainConfig, check_fields, config_values
+from localrl.config import FIELDS, TrainConfig, check_fields, config_values
 from localrl.envs import environments
 from localrl.errors import UserError
 from localrl.objectives import objectives
+from localrl.policy.losses import LOSSES
 from localrl.samplers import sampler_for, samplers
 
 
@@ -44,7 +45,7 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
     # the loss types the objective takes (GRPO's family, unless the objective declares its own: dpo's, which may
     # name several, comma-separated, as TRL's DPOConfig takes a list)
     objective = dict(objectives.items()).get(cfg.objective)
-    loss_types = getattr(objective, "loss_types", LOSS_TYPES)
+    loss_types = getattr(objective, "loss_types", None) or tuple(LOSSES)
     several = getattr(objective, "combines_losses", False)
     named = cfg.loss_type.split(",") if several else [cfg.loss_type]
     check_fields(cfg, [("loss_type", all(n.strip() in loss_types for n in named),
