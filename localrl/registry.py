@@ -16,8 +16,9 @@ config as ``package.module:function`` (as a user's reward is), so it needs no ed
     localrl train --objective mypkg.obj:Mine
 
 A plug-in owns its settings: its ``check_settings(cfg)`` (a class attribute, or ``check=`` for a function)
-checks the config fields that are its own and the combinations it cannot run with, whether or not the run
-selects it; its ``owns`` (or ``owns=``) names the fields that mean something only when it is selected, and
+checks the config fields that are its own, whether or not the run selects it, and its ``check_selected(cfg)`` (or
+``check_selected=``) the combinations it cannot run with, when the run selects it (so that no plug-in compares
+the config with its own name); its ``owns`` (or ``owns=``) names the fields that mean something only when it is selected, and
 the registry refuses any of them set away from its default while the run selects another plug-in (a field
 set for a plug-in the run does not use is a mistake); its ``preset`` (or ``preset=``) is what selecting it
 changes from the defaults unless the file or the flags set it.
@@ -47,13 +48,16 @@ class Registry:
         self._plugins: dict[str, Any] = {}
         self._presets: dict[str, dict[str, Any]] = {}
         self._checks: dict[str, Callable | None] = {}
+        self._selected_checks: dict[str, Callable | None] = {}  # name -> its checks when the run selects it
         self._owns: dict[str, tuple[str, ...]] = {}  # name -> the fields that mean something only when it is selected
         self._arguments: dict[str, str] = {}  # name -> what its argument is (plug-ins named NAME:ARGUMENT)
         self._discovered = False
 
     def register(self, name: str, plugin: Any = None, *, preset: dict[str, Any] | None = None,
-                 check: Callable | None = None, owns: tuple[str, ...] | None = None, argument: str | None = None):
-        """Register ``plugin`` as ``name`` (its ``preset``, ``check_settings`` and ``owns``, unless given here); without
+                 check: Callable | None = None, check_selected: Callable | None = None,
+                 owns: tuple[str, ...] | None = None, argument: str | None = None):
+        """Register ``plugin`` as ``name`` (its ``preset``, ``check_settings``, ``check_selected`` and ``owns``, unless
+        given here); without
         ``plugin``, a decorator that registers what it decorates. ``argument``: what the plug-in is given after
         its name (``NAME:ARGUMENT``), when it needs one. Registering a name again replaces the earlier plug-in (a
         module imported twice, a test's own)."""
@@ -64,6 +68,8 @@ class Registry:
             self._plugins[name] = p
             self._presets[name] = dict(preset if preset is not None else getattr(p, "preset", None) or {})
             self._checks[name] = check if check is not None else getattr(p, "check_settings", None)
+            self._selected_checks[name] = (check_selected if check_selected is not None
+                                           else getattr(p, "check_selected", None))
             self._owns[name] = tuple(owns if owns is not None else getattr(p, "owns", ()))
             if argument:
                 self._arguments[name] = argument
@@ -75,7 +81,7 @@ class Registry:
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (a test's own plug-in, once the test is done)."""
-        for table in (self._plugins, self._presets, self._checks, self._owns, self._arguments):
+        for table in (self._plugins, self._presets, self._checks, self._selected_checks, self._owns, self._arguments):
             table.pop(name, None)
 
     def preset(self, name: str) -> dict[str, Any]:
@@ -85,18 +91,22 @@ class Registry:
 
     def check_settings(self, cfg) -> None:
         """A field some plug-in owns, set while the run selects one that does not own it, then every registered
-        plug-in's own checks of ``cfg``: a UserError naming the field."""
+        plug-in's own checks of ``cfg`` and, for the one the run selects by name, its ``check_selected``: a UserError
+        naming the field."""
         from localrl.config import FIELDS
 
         self._discover()
-        allowed = set(self._owns.get(self._registered(getattr(cfg, self.field)), ()))
+        selected = self._registered(getattr(cfg, self.field))
+        allowed = set(self._owns.get(selected, ()))
         for field in sorted({f for fields in self._owns.values() for f in fields} - allowed):
             if getattr(cfg, field) != FIELDS[field].default:
                 owners = sorted(name for name, fields in self._owns.items() if field in fields)
                 raise UserError(f"config field {field}: needs {self.field} {' or '.join(owners)}", field=field)
-        for check in list(self._checks.values()):
+        for name, check in list(self._checks.items()):
             if check is not None:
                 check(cfg)
+            if name == selected and self._selected_checks.get(name) is not None:
+                self._selected_checks[name](cfg)
 
     def _discover(self) -> None:
         if self._discovered:

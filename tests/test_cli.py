@@ -131,8 +131,11 @@ def test_a_before_and_after_on_different_eval_sizes_claims_no_difference():
     """A resume with another --eval-size printed "before 34.0% -> after 99.0% (+65 points)" across 200 and 50."""
     from localrl.commands.train import before_after_line
 
-    same = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 200}, env=False)
+    from localrl.samplers.completions import Completions
+    from localrl.samplers.episodes import Episodes
+
+    same = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 200}, Completions.measure)
     assert same == "held-out accuracy (200 problems, greedy pass@1): before 34.0% -> after 99.0% (+65.0 points)"
-    other = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 50}, env=True)
+    other = before_after_line({"accuracy": 0.34, "n": 200}, {"accuracy": 0.99, "n": 50}, Episodes.measure)
     assert "on 200 tasks -> after 99.0% on 50 tasks (different sets: not comparable" in other
     assert "points" not in other

@@ -157,16 +157,24 @@ def test_a_plugin_brings_its_preset_and_checks_its_own_settings(registered, tmp_
 
 
 class Ranks(Answers):
-    """A test-local objective that declares its advantages group-relative, and owns a field."""
+    """A test-local objective that declares its advantages group-relative, owns a field, and refuses a value of it
+    when the run selects it."""
 
     group_relative = True
     owns = ("contrastive_margin",)  # (a field of today's config: a test module cannot add one yet)
+
+    @staticmethod
+    def check_selected(cfg) -> None:
+        from localrl.config import check_fields
+
+        check_fields(cfg, [("contrastive_margin", cfg.contrastive_margin <= 1, "ranks: must be at most 1")])
 
 
 def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(registered):
     """A sampler that shapes the groups (a prefix tree) takes any objective that declares ``group_relative``,
     a test-local one included, and refuses one that does not in one line naming those that can; a field a plug-in
-    ``owns`` is refused for every other selection, once, by the registry."""
+    ``owns`` is refused for every other selection, once, by the registry; its ``check_selected`` runs only when the
+    run selects it."""
     from localrl.training.settings import build_config
 
     objectives.register("ranks", Ranks)
@@ -180,6 +188,9 @@ def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(re
         assert build_config(None, {"objective": "contrastive_grpo", "contrastive_margin": 0.5}).contrastive_margin == 0.5
         with pytest.raises(UserError, match=r"^config field contrastive_margin: needs objective contrastive_grpo or ranks$"):
             build_config(None, {"objective": "answers", "contrastive_margin": 0.5})
+        with pytest.raises(UserError, match=r"^config field contrastive_margin: ranks: must be at most 1 \(got 2"):
+            build_config(None, {"objective": "ranks", "contrastive_margin": 2})
+        assert build_config(None, {"objective": "contrastive_grpo", "contrastive_margin": 2}).contrastive_margin == 2
     finally:
         objectives.unregister("ranks")
 

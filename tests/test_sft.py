@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from localrl.envs.shell import expert_call
 from localrl.errors import UserError
-from localrl.evaluation.plot import plot_run
+from localrl.evaluation.plot import Curve, plot_run
 from localrl.generation.agent_rollout import TurnFormat
 from localrl.modeling import load_policy, pick_device
 from localrl.policy.sft import Demo, demo_rollout, end_of_turn, episode_tokens, nll_step
@@ -100,7 +100,8 @@ def test_a_warm_start_resumes_exactly_and_grpo_starts_from_its_adapter(tmp_path)
     assert [r["objective"] for r in records] == ["sft"] * 3 and all(r["demos"] == 4 for r in records)
     a, b = adapter(full.run_dir, 3), adapter(part.run_dir, 3)
     assert all((a[k] == b[k]).all() for k in a) and any((a[k] != 0).any() for k in a if "lora_B" in k)
-    assert plot_run(full.run_dir, tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curve
+    curve = Curve("success", rollouts=False)  # as `localrl plot` and the trackers are told by the objective
+    assert plot_run(full.run_dir, tmp_path / "curve.png", curve=curve).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # GRPO from the warm start: its masked-out step changes nothing, so the adapter is the warm start's
     grpo = build_config(None, {"env": "shell", "steps": 1, "prompts_per_step": 2, "group_size": 4, "max_turns": 1,

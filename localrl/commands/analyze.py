@@ -13,10 +13,15 @@ from localrl.errors import UserError
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from localrl.evaluation.plot import plot_run
+    from localrl.evaluation.plot import Curve, plot_run
+    from localrl.objectives import objectives
     from localrl.runs import Run
+    from localrl.samplers import sampler_for
 
-    out = plot_run(args.run, args.out or Run(args.run).learning_curve_path, args.title)
+    run = Run.open(args.run)
+    cfg = run.read_config()
+    curve = Curve(sampler_for(cfg).measure.what, objectives.get(cfg.objective).samples)
+    out = plot_run(args.run, args.out or run.learning_curve_path, args.title, curve)
     print(f"wrote {out}")
     return 0
 

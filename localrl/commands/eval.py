@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from localrl.commands import check_png_path, one_line, quiet_libraries
-from localrl.commands.progress import ProgressBar, eval_line
+from localrl.commands.progress import ProgressBar
 from localrl.errors import UserError
 
 
@@ -37,14 +37,18 @@ def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['model']}: {eval_line(result)}")
+    from localrl.samplers import sampler_for
+
+    sampler = sampler_for(cfg)
+    print(f"{result['model']}: {sampler.eval_line(result)}")
     if args.reliability:
         print(f"wrote {args.reliability}" if "ece" in result else
               f"no completion stated a confidence: {args.reliability} not written")
     if "families" in result:
+        items = sampler.measure.items
         for family, r in result["families"].items():
             print(f"  {family:<12} {r['success']:6.1%}  [95% CI {r['interval'][0]:.1%}, {r['interval'][1]:.1%}]  "
-                  f"({r['n']} {'attacks' if 'attack_success' in result else 'tasks'})")
+                  f"({r['n']} {items})")
         for i, sample in enumerate(result["samples"], 1):
             if "reply" in sample:  # a game's: the fixed first turn and the evaluated player's reply
                 print(f"\n[{i}] {sample['family']}: {one_line(sample['turn'])}  (reward {sample['reward']:g})\n"

@@ -10,7 +10,7 @@ class ProgressBar:
     """A rich progress display fed by metrics records: what the run is loading, the held-out
     evaluation's progress, then steps with reward, accuracy, KL and an ETA."""
 
-    def __init__(self, total: int, summary=None):
+    def __init__(self, total: int, summary=None, eval_line=None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -20,6 +20,7 @@ class ProgressBar:
         self.tasks: dict[str, int] = {}
         self.steps: list[dict] = []  # the train records seen, for the ETA
         self.summary = summary  # a step record in one line (the objective's); None: no train records expected
+        self.eval_line = eval_line  # an evaluation record in one line (the sampler's); None: none expected
 
     def log(self, text: str) -> None:
         """A line above the bar, as written: not rich markup ("pip install 'localrl[llama]'" keeps its brackets)."""
@@ -42,8 +43,8 @@ class ProgressBar:
                 label = record.get("label") or f"eval {record.get('when')}"
                 task = self._task(label, label, record["total"])
                 self.progress.update(task, completed=record["done"])
-        elif kind == "eval":
-            self.log(f"eval {record['when']}: {eval_line(record)}")
+        elif kind == "eval" and self.eval_line is not None:
+            self.log(f"eval {record['when']}: {self.eval_line(record)}")
         elif kind == "train":  # the clock starts at the first step, after loading and evaluation
             task = self._task("train", "train", self.total, record["step"] - 1)
             stats = self.summary(record) if self.summary is not None else ""
@@ -70,25 +71,3 @@ def eta_column():
             return Text(format_duration(task.fields["eta"]), style="progress.remaining")
 
     return EtaColumn()
-
-
-def eval_line(r: dict) -> str:
-    if "attack_success" in r:  # a two-policy game (samplers/self_play.py)
-        lo, hi = r["interval"]
-        control = f", control questions right {r['game_control']:.1%}" if "game_control" in r else ""
-        return (f"defended {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], attacks succeeded "
-                f"{r['attack_success']:.1%}{control} ({r['n']} held-out attacks of {r['held_out_set']}, greedy)")
-    if "families" in r:  # episodes in an environment
-        lo, hi = r["interval"]
-        return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
-                f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
-                f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
-    if "logp_accuracy" in r:  # preference pairs (samplers/preferences.py)
-        return (f"preference accuracy {r['accuracy']:.1%} (implicit reward; a tie counts half), mean margin "
-                f"{r['reward_mean']:.3f}, the policy's own log-probability prefers the chosen in "
-                f"{r['logp_accuracy']:.1%} ({r['n']} held-out pairs)")
-    line = f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
-    if "ece" in r:
-        line += (f"; calibration: ECE {r['ece']:.3f}, Brier {r['brier']:.3f}, mean confidence "
-                 f"{r['confidence_mean']:.2f} ({r['confidence_stated']:.0%} stated one)")
-    return line

@@ -4,9 +4,13 @@ display, the held-out result before and after."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from localrl.commands import main_rank, quiet_libraries
 from localrl.commands.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from localrl.samplers import Measure
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
@@ -19,8 +23,10 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
     else:
         cfg = build_config(args.config, overrides)
     from localrl.objectives import objective_for
+    from localrl.samplers import sampler_for
 
-    bar = ProgressBar(cfg.steps, objective_for(cfg).summary)
+    sampler = sampler_for(cfg)
+    bar = ProgressBar(cfg.steps, objective_for(cfg).summary, sampler.eval_line)
     try:
         result = train(cfg, listeners=[bar], resume=bool(args.resume), log=bar.log)
     finally:
@@ -29,19 +35,14 @@ def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
         return 130 if result.interrupted else 0
     print(f"run: {result.run_dir}  ({result.steps_done}/{cfg.steps} steps)")
     if result.eval_before and result.eval_after:
-        print(before_after_line(result.eval_before, result.eval_after, bool(cfg.env)))
+        print(before_after_line(result.eval_before, result.eval_after, sampler.measure))
     return 130 if result.interrupted else 0
 
 
-def before_after_line(before: dict, after: dict, env: bool) -> str:
-    """The held-out result of a run, before -> after; a resume with another --eval-size measured the two on
-    different sets, so it says so and claims no difference."""
-    what = "success" if env else "accuracy"
-    items, how = ("tasks", "greedy episodes") if env else ("problems", "greedy pass@1")
-    if "logp_accuracy" in after:  # preference pairs
-        what, items, how = "preference accuracy", "pairs", "implicit reward"
-    if "attack_success" in after:  # a two-policy game: its second player's replies to fixed first turns
-        what, items, how = "defended", "attacks", "greedy replies"
+def before_after_line(before: dict, after: dict, measure: Measure) -> str:
+    """The held-out result of a run, before -> after, named as its sampler's ``measure`` says; a resume with another
+    --eval-size measured the two on different sets, so it says so and claims no difference."""
+    what, items, how = measure.what, measure.items, measure.how
     if before["n"] == after["n"]:
         delta = 100 * (after["accuracy"] - before["accuracy"])
         return (f"held-out {what} ({after['n']} {items}, {how}): "

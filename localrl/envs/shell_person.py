@@ -45,15 +45,14 @@ def revised_solve(env: PersonEnv, seed: int) -> tuple[float, list[tuple[str, str
 
 
 def check_person_settings(cfg) -> None:
-    """(Called for every run, as each plug-in's check is.)"""
+    """(Called when the run selects env shell_person.)"""
     from localrl.config import check_fields
 
-    person = cfg.env == "shell_person"
-    check_fields(cfg, [("person_sessions", not person or bool(cfg.person_sessions), "env shell_person learns the "
+    check_fields(cfg, [("person_sessions", bool(cfg.person_sessions), "env shell_person learns the "
                         "person from recorded sessions: name them (localrl agent --record DIR)")])
 
 
-@environments.register("shell_person", preset=SHELL_PRESET, check=check_person_settings,
+@environments.register("shell_person", preset=SHELL_PRESET, check_selected=check_person_settings,
                        owns=("person_sessions",))
 def shell_person_environment(cfg) -> EnvSetup:
     """The shell's setup, in ``PersonEnv`` with the rules of the sessions ``person_sessions`` names."""

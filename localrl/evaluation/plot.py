@@ -1,11 +1,13 @@
 """A run's learning curve as a PNG: per-step reward and accuracy (success, for an agent) of the sampled
 rollouts (for a warm start, the loss on the expert episodes), with the held-out greedy results before
-and after training. ``localrl plot RUN_DIR``."""
+and after training. ``localrl plot RUN_DIR``. What it draws is what the run's plug-ins say (``Curve``), never
+guessed from the records."""
 
 from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from localrl.errors import UserError
@@ -34,8 +36,17 @@ def save_png(fig, out: str | Path, **savefig) -> Path:
     return Path(out)
 
 
-def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> Path:
-    """Draw ``run_dir``'s metrics into ``out`` (written atomically); returns the path."""
+@dataclass(frozen=True)
+class Curve:
+    """What a run's learning curve draws, as its plug-ins declare it: the name of the held-out figure (its sampler's
+    ``measure.what``) and whether its steps sample rollouts (its objective's ``samples``; else the step's loss)."""
+
+    what: str = "accuracy"
+    rollouts: bool = True
+
+
+def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None, curve: Curve = Curve()) -> Path:
+    """Draw ``run_dir``'s metrics into ``out`` (written atomically) as ``curve`` says; returns the path."""
     plt = pyplot()
     run = Run.open(run_dir)
     records = read_metrics(run.metrics_path)
@@ -43,12 +54,11 @@ def plot_run(run_dir: str | Path, out: str | Path, title: str | None = None) -> 
     if not steps:
         raise UserError(f"plot {run_dir}: no training steps recorded yet")
     evals = {r["when"]: r for r in records if r.get("kind") == "eval"}
-    agent = "turns" in steps[0]
-    what = "success" if agent else "accuracy"
+    what = curve.what
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     x = [r["step"] for r in steps]
     handles = []
-    if steps[0].get("objective") == "sft":  # no rollouts: the loss on the expert episodes
+    if not curve.rollouts:  # no rollouts (a warm start): the loss on the expert episodes
         loss_ax = ax.twinx()
         handles += loss_ax.plot(x, [r["loss"] for r in steps], color="tab:red", label="loss on expert episodes")
         loss_ax.set_ylabel("loss (per agent token)")

@@ -18,14 +18,16 @@ class ContrastiveGRPO(GRPO):
 
     @staticmethod
     def check_settings(cfg) -> None:
-        selected = cfg.objective == "contrastive_grpo"
         check_fields(cfg, [
             ("contrastive_coef", cfg.contrastive_coef >= 0, "must be at least 0"),
             ("contrastive_temperature", cfg.contrastive_temperature > 0, "must be positive"),
             ("contrastive_margin", cfg.contrastive_margin >= 0, "must be at least 0"),
-            ("markovian_chunk", not selected or cfg.markovian_chunk == 0,
-             "objective contrastive_grpo contrasts whole completions; a Markovian trace's rows are its chunks"),
         ])
+
+    @staticmethod
+    def check_selected(cfg) -> None:
+        check_fields(cfg, [("markovian_chunk", cfg.markovian_chunk == 0, "objective contrastive_grpo contrasts "
+                            "whole completions; a Markovian trace's rows are its chunks")])
 
     def update_terms(self, step: int, batch) -> dict:
         return {"contrast": Contrast.at(self.cfg, step)}

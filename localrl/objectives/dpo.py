@@ -32,11 +32,14 @@ class DPO(Objective):
     combines_losses = True  # loss_type may name several, weighted by loss_weights (TRL's list)
     takes_pairs = True
     preset = {"beta": 0.1, "loss_type": "sigmoid"}  # TRL's DPOConfig defaults
-    owns = ("loss_weights",)
+    owns = ("loss_weights", "label_smoothing")
 
     @staticmethod
     def check_settings(cfg) -> None:
-        dpo = cfg.objective == "dpo"
+        check_fields(cfg, [("label_smoothing", 0 <= cfg.label_smoothing < 0.5, "must be in [0, 0.5)")])
+
+    @staticmethod
+    def check_selected(cfg) -> None:
         named = [n.strip() for n in cfg.loss_type.split(",")]
         try:
             loss_terms(cfg.loss_type, cfg.loss_weights)
@@ -44,13 +47,12 @@ class DPO(Objective):
         except ValueError as e:
             weights_wrong = str(e)
         check_fields(cfg, [
-            ("label_smoothing", 0 <= cfg.label_smoothing < 0.5, "must be in [0, 0.5)"),
-            ("label_smoothing", cfg.label_smoothing == 0 or (dpo and "robust" in named),
+            ("label_smoothing", cfg.label_smoothing == 0 or "robust" in named,
              "applies to objective dpo with loss_type robust only"),
             ("loss_weights", not weights_wrong, weights_wrong),
             ("loss_type", len(set(named)) == len(named), "names a loss twice"),
-            ("beta", not dpo or cfg.beta > 0, "objective dpo: must be positive (DPO's beta scales the log-ratios)"),
-            ("markovian_chunk", not dpo or cfg.markovian_chunk == 0,
+            ("beta", cfg.beta > 0, "objective dpo: must be positive (DPO's beta scales the log-ratios)"),
+            ("markovian_chunk", cfg.markovian_chunk == 0,
              "objective dpo pairs whole completions; a Markovian trace's rows are its chunks"),
         ])
 

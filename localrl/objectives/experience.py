@@ -31,13 +31,17 @@ class Experience(Objective):
         self.room = 0  # tokens the lessons may take in each prompt (0: unbounded)
 
     @staticmethod
-    def check_settings(cfg) -> None:
-        chosen = cfg.objective == "experience"
+    def check_selected(cfg) -> None:
         check_fields(cfg, [
-            ("objective", not chosen or not (cfg.env or cfg.markovian_chunk),
+            ("objective", not (cfg.env or cfg.markovian_chunk),
              "experience is for single-turn tasks without markovian_chunk"),
-            ("dynamic_sampling", not (chosen and cfg.dynamic_sampling),
+            ("dynamic_sampling", not cfg.dynamic_sampling,
              "experience judges each step's groups as sampled (not with objective experience)"),
+        ])
+
+    @staticmethod
+    def check_settings(cfg) -> None:
+        check_fields(cfg, [
             ("experience_size", cfg.experience_size >= 1, "must be at least 1"),
             ("experience_judge_tokens", cfg.experience_judge_tokens >= 1, "must be at least 1"),
             ("experience_tokens", cfg.experience_tokens >= 0, "must be non-negative (0: a quarter of the context)"),

@@ -32,8 +32,11 @@ class PPO(Objective):
     owns = SETTINGS
 
     @staticmethod
+    def check_selected(cfg) -> None:
+        check_fields(cfg, [("objective", not cfg.markovian_chunk, "ppo is not for markovian_chunk")])
+
+    @staticmethod
     def check_settings(cfg) -> None:
-        chosen = cfg.objective == "ppo"
         check_fields(cfg, [
             ("num_ppo_epochs", cfg.num_ppo_epochs >= 1, "must be at least 1"),
             ("num_mini_batches", cfg.num_mini_batches >= 1, "must be at least 1"),
@@ -45,7 +48,6 @@ class PPO(Objective):
             ("vf_coef", cfg.vf_coef >= 0, "must be non-negative"),
             ("kl_coef", cfg.kl_coef >= 0, "must be non-negative"),
             ("kl_estimator", cfg.kl_estimator in ("k1", "k3"), "must be k1 or k3"),
-            ("objective", not chosen or not cfg.markovian_chunk, "ppo is not for markovian_chunk"),
         ])
 
     def check(self, w) -> None:

@@ -30,8 +30,8 @@ class SFT(Objective):
     preset = {"env": "shell"}
 
     @staticmethod
-    def check_settings(cfg) -> None:
-        check_fields(cfg, [("objective", cfg.objective != "sft" or bool(cfg.env),
+    def check_selected(cfg) -> None:
+        check_fields(cfg, [("objective", bool(cfg.env),
                             "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')")])
 
     def check(self, w) -> None:

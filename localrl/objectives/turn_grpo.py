@@ -20,13 +20,15 @@ class TurnGRPO(GRPO):
 
     @staticmethod
     def check_settings(cfg) -> None:
-        chosen = cfg.objective == "turn_grpo"
+        check_fields(cfg, [("turn_discount", 0 <= cfg.turn_discount <= 1, "must be in [0, 1]")])
+
+    @staticmethod
+    def check_selected(cfg) -> None:
         check_fields(cfg, [
-            ("turn_discount", 0 <= cfg.turn_discount <= 1, "must be in [0, 1]"),
-            ("objective", not chosen or bool(cfg.env), "turn_grpo credits the turns of an episode: it needs env"),
-            ("loss_type", not chosen or cfg.loss_type != "vespo",
+            ("objective", bool(cfg.env), "turn_grpo credits the turns of an episode: it needs env"),
+            ("loss_type", cfg.loss_type != "vespo",
              "vespo weighs whole sequences; turn_grpo's advantages are per token (another loss_type)"),
-            ("off_policy_mask_threshold", not chosen or not cfg.off_policy_mask_threshold,
+            ("off_policy_mask_threshold", not cfg.off_policy_mask_threshold,
              "masks whole completions by their advantage's sign; not with turn_grpo"),
         ])
 

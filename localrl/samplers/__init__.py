@@ -85,12 +85,22 @@ class Batch:
     turn_rewards: list[list[float]] | None = None
 
 
+@dataclass(frozen=True)
+class Measure:
+    """How result lines name a sampler's held-out figure: what it is, the items counted, how they are decoded."""
+
+    what: str = "accuracy"
+    items: str = "problems"
+    how: str = "greedy pass@1"
+
+
 class Sampler(ABC):
     """The base of a sampler; ``prepare``, ``sample`` and ``evaluate`` are its substance (abstract)."""
 
     owns: tuple[str, ...] = ()  # config fields that mean something only when it is named (localrl.registry)
     # the objective capabilities it needs (``Objective.samples``, ``group_relative``, ``takes_pairs``), each with why
     needs: dict[str, str] = {}
+    measure = Measure()  # what its held-out evaluation's accuracy counts (result lines, ``localrl eval``)
 
     def __init__(self, cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None):
         self.cfg = cfg
@@ -145,6 +155,15 @@ class Sampler(ABC):
     def describe_eval(self) -> str:
         """What ``localrl eval`` evaluates on, in words."""
         return ""
+
+    @staticmethod
+    def eval_line(r: dict) -> str:
+        """One of its held-out evaluation records in one line (the progress display, ``localrl eval``)."""
+        line = f"accuracy {r['accuracy']:.1%}, mean reward {r['reward_mean']:.3f} ({r['n']} held-out, greedy)"
+        if "ece" in r:
+            line += (f"; calibration: ECE {r['ece']:.3f}, Brier {r['brier']:.3f}, mean confidence "
+                     f"{r['confidence_mean']:.2f} ({r['confidence_stated']:.0%} stated one)")
+        return line
 
     def require_held_out(self) -> None:
         """Refuse, in one line, to evaluate where there is nothing held out."""

@@ -22,7 +22,7 @@ from localrl.envs import EnvSetup, environment_for, is_game, task_list, task_see
 from localrl.errors import UserError, failure_line, user_callable
 from localrl.generation.agent_rollout import TurnFormat, run_episodes, trajectory_budget
 from localrl.metrics import item_progress
-from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
+from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 
 
 # the fields that say where single-turn prompts come from: an environment's tasks come from env_tasks instead
@@ -32,6 +32,8 @@ DATA_FIELDS = ("data", "eval_data", "data_config", "data_split", "eval_split", "
 
 @samplers.register("episodes")
 class Episodes(Sampler):
+    measure = Measure("success", "tasks", "greedy episodes")
+
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)
         self.setup: EnvSetup | None = None
@@ -105,6 +107,13 @@ class Episodes(Sampler):
 
     def describe_eval(self) -> str:
         return f"in the {self.cfg.env} environment"
+
+    @staticmethod
+    def eval_line(r: dict) -> str:
+        lo, hi = r["interval"]
+        return (f"success {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], mean reward {r['reward_mean']:.3f}, "
+                f"{r['turns']:.1f} turns, {r.get('tool_calls', 0):.2f} tool calls and {r['invalid_calls']:.2f} "
+                f"invalid calls per episode ({r['n']} held-out tasks, greedy)")
 
     def require_held_out(self) -> None:
         if not self.held_out:

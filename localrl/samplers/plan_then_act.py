@@ -86,14 +86,17 @@ class PlanThenAct(Completions):
 
     @staticmethod
     def check_settings(cfg) -> None:
-        chosen = cfg.sampler == "plan_then_act"
         check_fields(cfg, [
             ("plan_count", 2 <= cfg.plan_count <= 16, "must be from 2 to 16 (plans compete with each other)"),
             ("plan_tokens", 1 <= cfg.plan_tokens <= 1024, "must be from 1 to 1024"),
             ("plan_weight", cfg.plan_weight >= 0, "must be at least 0"),
-            ("sampler", not chosen or not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
-             "plan_then_act samples prompt completions: not with env, markovian_chunk or dynamic_sampling"),
         ])
+
+    @staticmethod
+    def check_selected(cfg) -> None:
+        check_fields(cfg, [("sampler", not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
+                            "plan_then_act samples prompt completions: not with env, markovian_chunk or "
+                            "dynamic_sampling")])
 
     def check(self, w) -> None:
         w.one_process("sampler", "plan_then_act")

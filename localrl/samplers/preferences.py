@@ -28,11 +28,12 @@ from localrl.generation.agent_rollout import TurnFormat
 from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad, stop_token_ids
 from localrl.policy.dpo import preference_accuracy
 from localrl.policy.sft import end_of_turn
-from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
+from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 
 
 @samplers.register("preferences")
 class Preferences(Sampler):
+    measure = Measure("preference accuracy", "pairs", "implicit reward")
     needs = {"takes_pairs": "it hands over fixed pairs"}
 
     def __init__(self, cfg, rewards=None):
@@ -116,6 +117,12 @@ class Preferences(Sampler):
 
     def describe_eval(self) -> str:
         return f"on held-out preference pairs ({self.cfg.data})"
+
+    @staticmethod
+    def eval_line(r: dict) -> str:
+        return (f"preference accuracy {r['accuracy']:.1%} (implicit reward; a tie counts half), mean margin "
+                f"{r['reward_mean']:.3f}, the policy's own log-probability prefers the chosen in "
+                f"{r['logp_accuracy']:.1%} ({r['n']} held-out pairs)")
 
     def _pairs(self, tok, rows: list[dict], system: str | None) -> Rollout:
         """``rows``' pairs as a rollout of groups of two, chosen first."""

@@ -101,13 +101,17 @@ class PrefixTree(Completions):
 
     @staticmethod
     def check_settings(cfg) -> None:
-        chosen = cfg.sampler == "prefix_tree"
         check_fields(cfg, [
             ("tree_prefixes", 1 <= cfg.tree_prefixes <= 16, "must be from 1 to 16"),
             ("tree_baseline", cfg.tree_baseline in TREE_BASELINES, f"must be one of {', '.join(TREE_BASELINES)}"),
-            ("teacher_traces", not chosen or bool(cfg.teacher_traces) or cfg.data == "arith",
+        ])
+
+    @staticmethod
+    def check_selected(cfg) -> None:
+        check_fields(cfg, [
+            ("teacher_traces", bool(cfg.teacher_traces) or cfg.data == "arith",
              "the built-in solver's traces are of the addition task (data arith); give a JSONL of {prompt, trace}"),
-            ("sampler", not chosen or not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
+            ("sampler", not (cfg.env or cfg.markovian_chunk or cfg.dynamic_sampling),
              "prefix_tree samples prompt completions: not with env, markovian_chunk or dynamic_sampling"),
         ])
 

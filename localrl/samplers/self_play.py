@@ -35,7 +35,7 @@ from localrl.envs import Game, environment_for, is_game, task_seeds
 from localrl.errors import UserError
 from localrl.generation.rollout import (Rollout, decode_completions, encode_prompts, group_generators, sample_groups,
                                         sample_in_chunks)
-from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
+from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 from localrl.samplers.episodes import family_success, wilson
 
 FIRST = "attacker"  # the PEFT adapter of the first player (the second's is the run's own, "default")
@@ -63,6 +63,7 @@ def game_figures(outcomes: list[dict]) -> dict[str, float]:
 
 @samplers.register("self_play")
 class SelfPlay(Sampler):
+    measure = Measure("defended", "attacks", "greedy replies")  # its second player's replies to fixed first turns
     needs = {"group_relative": "it trains each player by GRPO over its group"}
 
     def __init__(self, cfg, rewards=None):
@@ -130,6 +131,13 @@ class SelfPlay(Sampler):
 
     def describe_eval(self) -> str:
         return f"on the {self.cfg.env} game's held-out first turns"
+
+    @staticmethod
+    def eval_line(r: dict) -> str:
+        lo, hi = r["interval"]
+        control = f", control questions right {r['game_control']:.1%}" if "game_control" in r else ""
+        return (f"defended {r['accuracy']:.1%} [95% CI {lo:.1%}, {hi:.1%}], attacks succeeded "
+                f"{r['attack_success']:.1%}{control} ({r['n']} held-out attacks of {r['held_out_set']}, greedy)")
 
     def learner(self, step: int) -> int:
         """Which player trains at 0-based ``step``: 0 (the first) for ``self_play_round`` steps, then 1, ..."""

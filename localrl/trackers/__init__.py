@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from localrl.errors import UserError
+from localrl.evaluation.plot import Curve
 from localrl.registry import Registry
 from localrl.runs import Run
 
@@ -91,14 +92,15 @@ def flatten(record: dict, prefix: str) -> dict[str, float]:
 class Reporter:
     """The metrics listener that feeds the run's trackers; ``close`` adds the learning curve."""
 
-    def __init__(self, opened: list[Tracker], run: Run, log: Callable[[str], None]):
-        self.trackers, self.run, self.log = opened, run, log
+    def __init__(self, opened: list[Tracker], run: Run, log: Callable[[str], None], curve: Curve = Curve()):
+        self.trackers, self.run, self.log, self.curve = opened, run, log, curve
         self.last_step = 0
 
     @classmethod
-    def open(cls, report_to: str, run: Run, config: dict, first_step: int,
-             log: Callable[[str], None]) -> "Reporter | None":
-        """The trackers ``report_to`` names, opened on ``run`` (None: no tracker)."""
+    def open(cls, report_to: str, run: Run, config: dict, first_step: int, log: Callable[[str], None],
+             curve: Curve = Curve()) -> "Reporter | None":
+        """The trackers ``report_to`` names, opened on ``run`` (None: no tracker); ``curve``: what the learning curve
+        drawn at the end shows."""
         chosen = names(report_to)
         if not chosen:
             return None
@@ -110,7 +112,7 @@ class Reporter:
             for tracker in opened:
                 tracker.close()
             raise
-        return cls(opened, run, log)
+        return cls(opened, run, log, curve)
 
     def __call__(self, record: dict) -> None:
         kind = record.get("kind")
@@ -132,7 +134,7 @@ class Reporter:
 
         try:
             if self.last_step:
-                png = plot_run(self.run.path, self.run.learning_curve_path)
+                png = plot_run(self.run.path, self.run.learning_curve_path, curve=self.curve)
                 for tracker in self.trackers:
                     tracker.image("learning_curve", png, self.last_step)
         except Exception as e:  # a failed drawing must not hide how the run ended

@@ -39,6 +39,7 @@ from localrl.modeling import check_weights, load_config, load_policy, load_token
 from localrl.objectives import Objective, StepContext, objective_for
 from localrl.runs import Run, adapter_source, base_fingerprint, load_adapter_weights
 from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
+from localrl.evaluation.plot import Curve
 from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
 from localrl.training.settings import check_config
@@ -210,7 +211,8 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
         w.broadcast_parameters(params)  # every rank starts from rank 0's adapter
         if w.is_main:
             run.write_config(cfg, base)  # from here on the run can be resumed
-            reporter = Reporter.open(cfg.report_to, run, cfg.to_dict(), start, log)  # --report-to's trackers
+            reporter = Reporter.open(cfg.report_to, run, cfg.to_dict(), start, log,  # --report-to's trackers
+                                     Curve(sampler.measure.what, objective.samples))
             if reporter is not None:
                 sink.listeners.append(reporter)
         w.barrier()
