@@ -18,9 +18,9 @@ config as ``package.module:function`` (as a user's reward is), so it needs no ed
 A plug-in owns its settings: its ``check_settings(cfg)`` (a class attribute, or ``check=`` for a function)
 checks the config fields that are its own, whether or not the run selects it, and its ``check_selected(cfg)`` (or
 ``check_selected=``) the combinations it cannot run with, when the run selects it (so that no plug-in compares
-the config with its own name); its ``owns`` (or ``owns=``) names the fields that mean something only when it is selected, and
-the registry refuses any of them set away from its default while the run selects another plug-in (a field
-set for a plug-in the run does not use is a mistake); its ``preset`` (or ``preset=``) is what selecting it
+the config with its own name); its ``owns`` (or ``owns=``) names the fields that mean something only when it is
+selected, and the registry refuses any of them set away from its default while the run selects another plug-in (a
+field set for a plug-in the run does not use is a mistake); its ``preset`` (or ``preset=``) is what selecting it
 changes from the defaults unless the file or the flags set it.
 ``localrl.training.settings`` (``check_config``, ``build_config``) asks the registries for both.
 
