@@ -3,7 +3,7 @@
 The Python API: ``from localrl import TrainConfig, train`` (``train(TrainConfig(steps=10))``), loaded on first
 use so that ``import localrl`` stays light."""
 
-_API = {"train": "localrl.training.loop", "resume_config": "localrl.training.loop", "TrainConfig": "localrl.config",
+_API = {"train": "localrl.training.loop", "resume_config": "localrl.training.loop", "TrainConfig": "localrl.training.settings",
         "build_config": "localrl.training.settings"}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import fields as dataclass_fields
 
 from localrl.commands import main_rank, quiet_libraries
@@ -32,7 +33,7 @@ from localrl.commands.models import cmd_models
 from localrl.commands.plan import cmd_plan
 from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
 from localrl.commands.train import cmd_sft, cmd_train
-from localrl.config import FIELDS, fields_help, flag_name, split_overrides
+from localrl.config import FIELDS, fields_help, flag_name, read_toml, split_overrides
 from localrl.errors import UserError, out_of_space
 from localrl.heap import preload_allocator, return_freed_memory
 from localrl.serving.limits import RequestLimits
@@ -41,7 +42,27 @@ EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_
                "answer_column", "answer_format", "eval_size", "eval_batch_size", "reward", "reward_weights", "format_weight",
                "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env", "env_tasks",
                "max_turns", "env_workers", "env_timeout", "isolation"]
-FIELD_COMMANDS = {"train": list(FIELDS), "sft": list(FIELDS), "eval": EVAL_FIELDS}  # commands whose flags include config fields
+FIELD_COMMANDS = {"train": None, "sft": None, "eval": EVAL_FIELDS}  # commands whose flags include config fields (None: all)
+
+
+def command_fields(command: str, argv: list[str] = ()) -> list[str]:
+    """The config fields ``command`` takes as flags: every field, the plug-ins' settings included (registered as
+    the run's config is assembled, ``localrl.training.settings``, imported only for these commands: it imports
+    torch; a plug-in ``argv`` or its --config file names as ``package.module:function`` registered first), or the
+    command's own list."""
+    from localrl.training.settings import register_named
+
+    named, rest = split_overrides(list(argv), ["objective", "sampler", "env"])
+    config = next((rest[i + 1] if a == "--config" else a.partition("=")[2] for i, a in enumerate(rest)
+                   if (a == "--config" and i + 1 < len(rest)) or a.startswith("--config=")), None)
+    register_named({**(read_toml(config) if config else {}), **named})
+    return list(FIELDS) if FIELD_COMMANDS[command] is None else FIELD_COMMANDS[command]
+
+
+def _plugins_help() -> str:
+    from localrl.training.settings import plugins_help
+
+    return plugins_help()
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
@@ -58,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     fields = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)",
                        formatter_class=fields, allow_abbrev=False, usage="localrl train [--config FILE.toml] "
-                       "[--resume RUN_DIR] [--FIELD VALUE ...]", epilog="config fields, by group:\n" + fields_help())
+                       "[--resume RUN_DIR] [--FIELD VALUE ...]",
+                       epilog_of=lambda: _plugins_help() + "\nconfig fields, by group:\n"
+                       + fields_help(command_fields("train")))
     p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.set_defaults(func=cmd_train)
@@ -74,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter",
                        formatter_class=fields, allow_abbrev=False, usage="localrl eval [RUN_DIR] [--json] "
-                       "[--FIELD VALUE ...]", epilog="config fields (as in training; a run's own are read from it):\n"
-                       + fields_help(EVAL_FIELDS))
+                       "[--FIELD VALUE ...]", epilog_of=lambda: _plugins_help() + "\nconfig fields (as in training; a "
+                       "run's own are read from it):\n" + fields_help(command_fields("eval")))
     p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--experience", metavar="RUN_DIR|FILE", help="give the model this experience library's lessons "
@@ -281,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         return_freed_memory()  # afresh each time took 1.56x as long (tiny-shell-world, 2 cores)
     try:
         if argv and argv[0] in FIELD_COMMANDS:  # config-field flags are read by config.py, the rest by argparse
-            overrides, rest = split_overrides(argv[1:], FIELD_COMMANDS[argv[0]])
+            overrides, rest = split_overrides(argv[1:], command_fields(argv[0], argv[1:]))
             args = _parse([argv[0], *rest])
             return args.func(args, overrides)
         args = _parse(argv)
@@ -322,7 +345,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         if flag is None:
             raise UserError(f"{command}: unexpected argument {unknown[0]!r} (see localrl {command} -h)")
         known = [o for o in parser.commands[command]._option_string_actions if o.startswith("--")]
-        known += [flag_name(f) for f in FIELD_COMMANDS.get(command, [])]
+        known += [flag_name(f) for f in (command_fields(command) if command in FIELD_COMMANDS else [])]
         raise UserError(f"{command}: unknown flag {flag!r}" + _closest(flag, known, f"localrl {command} -h"))
     return args
 
@@ -337,7 +360,16 @@ def _closest(word: str, choices: list[str], where: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, its errors one line (as every localrl error), a misspelt command or choice answered by the
-    closest one."""
+    closest one; a help text that needs the plug-ins (``epilog_of``) made only when it is shown."""
+
+    def __init__(self, *args, epilog_of: Callable[[], str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epilog_of = epilog_of
+
+    def format_help(self) -> str:
+        if self.epilog_of is not None:
+            self.epilog = self.epilog_of()
+        return super().format_help()
 
     def error(self, message: str):
         what = self.prog.removeprefix("localrl").strip()  # the subcommand, or "" for localrl itself

@@ -30,8 +30,13 @@ SCALE_REWARDS = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's importance sampling modes
 
 
-def _f(default: Any, help: str) -> Any:
+def setting(default: Any, help: str) -> Any:
+    """A config field: its default and its one-line help (``localrl train -h``, the TOML file's comment). The core
+    fields below are made with it, and so is each plug-in's settings dataclass (``add_settings``)."""
     return field(default=default, metadata={"help": help})
+
+
+_f = setting  # (spelt short in the core fields' table below)
 
 
 @dataclass
@@ -93,10 +98,8 @@ class TrainConfig:
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
     lora_targets: str = _f("all-linear", "comma-separated module names to adapt, or 'all-linear'")
     unsloth: bool = _f(False, "load through Unsloth's CUDA fast path (needs the 'unsloth' extra and a GPU)")
-    objective: str = _f("grpo", "what a step optimises: 'grpo', 'experience' (training-free GRPO: no weight changes, "
-                                "lessons distilled from each group into the run's experience library), or 'sft' "
-                                "(supervised warm start on the environment's "
-                                "expert episodes, as `localrl sft` runs it; needs env)")
+    objective: str = _f("grpo", "what a step optimises: an objective of those listed above, or "
+                                "package.module:Class")
     init_adapter: str = _f("", "start from this adapter instead of a fresh one: a run directory (its newest "
                                "checkpoint, e.g. a `localrl sft` run) or a PEFT adapter directory, trained on the "
                                "same base with the same LoRA settings")
@@ -113,10 +116,9 @@ class TrainConfig:
     budget_stages: int = _f(2, "step schedule: equal stages of the run, the budget falling in equal steps "
                                "from max_new_tokens in the first to max_new_tokens_final in the last")
     # sampling: the completions sampler (samplers/completions.py)
-    sampler: str = _f("", "who samples a step's rollouts: empty picks by the other fields (an environment's "
-                          "episodes with env, Markovian traces with markovian_chunk, prompt completions otherwise); "
-                          "'prefix_tree': Tree-OPO, completions of a teacher's solution prefixes; 'plan_then_act': "
-                          "PTA-GRPO, plans first, then completions of each plan")
+    sampler: str = _f("", "who samples a step's rollouts: a sampler of those listed above, or package.module:Class; "
+                          "empty picks by the other fields (an environment's episodes with env, Markovian traces "
+                          "with markovian_chunk, prompt completions otherwise)")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
     rollout: str = _f("auto", "who samples the completions: 'torch', 'llama.cpp' (batched, the adapter attached as "
                               "a GGUF LoRA each step; needs the llama extra), or 'auto': llama.cpp on a CPU when "
@@ -128,25 +130,6 @@ class TrainConfig:
                                        "and more prompts sampled until prompts_per_step groups differ (prompts, "
                                        "not env episodes)")
     dynamic_sampling_rounds: int = _f(3, "dynamic sampling: extra rounds of prompts_per_step prompts at most, per step")
-    # sampling: the markovian sampler (samplers/markovian.py)
-    markovian_chunk: int = _f(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
-                                 "sampled from the query plus the last markovian_carry tokens of the one before "
-                                 "(0: off; max_new_tokens is then the whole trace's budget)")
-    markovian_carry: int = _f(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
-    # the prefix_tree sampler (samplers/prefix_tree.py: Tree-OPO)
-    teacher_traces: str = _f("", "sampler prefix_tree: the teacher's worked solutions the prefixes are cut from: "
-                                 "empty for the built-in solver's (data arith), or a JSONL file of {prompt, trace} "
-                                 "lines covering every training prompt")
-    tree_prefixes: int = _f(3, "sampler prefix_tree: prefixes cut from each trace, at evenly spaced steps (lines) "
-                               "from the bare prompt on; each is completed group_size times")
-    tree_baseline: str = _f("expectation", "sampler prefix_tree: a prefix's value, subtracted from its completions' "
-                                           "rewards before the tree's GRPO normalisation: expectation (the mean "
-                                           "reward of its subtree), optimistic (its best), pessimistic (its worst)")
-    # the plan_then_act sampler (samplers/plan_then_act.py: PTA-GRPO)
-    plan_count: int = _f(4, "sampler plan_then_act: plans written for each prompt; each is completed group_size times")
-    plan_tokens: int = _f(32, "sampler plan_then_act: the longest plan, in tokens (a plan ends at </plan>)")
-    plan_weight: float = _f(1.0, "sampler plan_then_act: weight of a plan's reward (the share of its completions "
-                                 "that were right) in each of its completions' reward")
     # the policy loss, TRL's names and defaults (policy/losses.py; LossSettings is a view of these)
     num_iterations: int = _f(1, "optimisation passes over each batch of rollouts (PPO epochs)")
     loss_type: str = _f("grpo", "the policy loss, as TRL names it: grpo (each completion's mean, then over "
@@ -205,62 +188,14 @@ class TrainConfig:
     prompt_cache: bool = _f(True, "compute each prompt once per group (--no-prompt-cache: concatenate per row)")
     memory_budget: str = _f("", "peak memory of a training step, e.g. 10GB: sets micro-batches, logits chunks "
                                 "and checkpointing (empty: micro_batch_size applies)")
-    # the experience objective (objectives/experience.py)
-    experience_judge: str = _f("", "objective experience: the model that compares each group's right and wrong "
-                                   "completions and edits the lessons (a model source as for model, or an "
-                                   "OpenAI-compatible endpoint: http://HOST:PORT/v1|MODEL; empty: the policy model "
-                                   "itself)")
-    experience_size: int = _f(12, "objective experience: the most lessons the library holds (an addition to a full "
-                                  "one drops the oldest)")
-    experience_init: str = _f("", "objective experience: start from this library (a run directory's experience.json "
-                                  "or such a file: lessons by a larger judge, or written by hand); empty: none")
-    experience_judge_tokens: int = _f(96, "objective experience: the longest reply of the judge, in tokens")
-    experience_tokens: int = _f(0, "objective experience: the room the lessons get in every prompt, in tokens, held "
-                                   "free in the context (an addition drops the oldest lessons to fit, an edit that "
-                                   "cannot is invalid); 0: a quarter of the context, at most 256")
-    # the ppo objective (objectives/ppo.py; TRL's PPOConfig names and defaults)
-    num_ppo_epochs: int = _f(4, "objective ppo: passes over each step's rollouts")
-    num_mini_batches: int = _f(1, "objective ppo: optimizer steps per pass, each on a share of the groups")
-    gamma: float = _f(1.0, "objective ppo: discount of GAE, per trained token")
-    lam: float = _f(0.95, "objective ppo: GAE's lambda")
-    cliprange_value: float = _f(0.2, "objective ppo: how far a value may move from the rollout's before the value "
-                                     "loss clips it")
-    vf_coef: float = _f(0.1, "objective ppo: weight of the value loss")
-    kl_coef: float = _f(0.05, "objective ppo: per-token KL to the reference, subtracted from the reward (beta "
-                              "adds KL to the loss instead)")
-    kl_estimator: str = _f("k1", "objective ppo: the per-token KL in the reward: k1 (log ratio) or k3")
-    # the dpo objective (objectives/dpo.py; TRL's DPOConfig names: beta and loss_type are the shared fields above,
-    # set by its preset to TRL's 0.1 and sigmoid)
-    label_smoothing: float = _f(0.0, "objective dpo, loss_type robust: the assumed share of preference labels that "
-                                     "are flipped (0 to 0.5)")
-    loss_weights: str = _f("", "objective dpo: comma-separated weight of each loss in loss_type (empty: 1 each), "
-                               "e.g. loss_type sigmoid,sft with loss_weights 1,0.5")
-    # the contrastive_grpo objective (objectives/contrastive_grpo.py; after ConSPO, arXiv 2605.12969)
-    contrastive_coef: float = _f(1.0, "objective contrastive_grpo: weight of the group-wise InfoNCE term (each "
-                                      "group's above-mean completions against its below-mean ones) beside GRPO's loss")
-    contrastive_temperature: float = _f(0.1, "objective contrastive_grpo: temperature of the InfoNCE softmax over "
-                                             "the completions' mean token log-probabilities")
-    contrastive_margin: float = _f(0.0, "objective contrastive_grpo: the margin a positive's score must clear, "
-                                        "ramped linearly from 0 to this over the run")
-    # the turn_grpo objective (objectives/turn_grpo.py)
-    turn_discount: float = _f(1.0, "objective turn_grpo: discount of the turn rewards in each turn's return (1: the "
-                                   "first turn's advantage is the episode's; 0: each turn credited with its own)")
     # agent training: the episodes sampler (samplers/episodes.py) and the shell environment (envs/shell.py)
-    env: str = _f("", "train an agent: 'shell' (shell tasks run in the sandbox, scored by verifiers of the final "
-                      "files and answer), 'shell_drafts' (the same tasks, each with a draft with one mistake to "
-                      "fix), 'shell_person' (the same tasks, rewarded also by a person learned from "
-                      "person_sessions), 'world:SOURCE' (the same tasks in a shell simulated by the world model "
-                      "SOURCE: tiny-shell-world, a model, run or GGUF, or an endpoint URL|MODEL; held out in the real "
-                      "sandbox), 'secret_keeping' (red-teaming self-play: an attacker adapter tries to make a defender "
-                      "adapter of the same model reveal a password; held out on a fixed attack set); empty: train on "
-                      "the data's prompts")
+    env: str = _f("", "train an agent in an environment of those listed above, or package.module:function; empty: "
+                      "train on the data's prompts")
     env_tasks: str = _f("", "the shell environment's tasks: empty for the built-in generator, a JSONL file of "
                             "{instruction, files, check} lines, or module:function returning ShellTasks")
     env_families: str = _f("", "comma-separated task families to train on (count, files, edit, csv, multi); empty: "
                                "all. The held-out evaluation always covers every family and level")
     env_levels: str = _f("", "comma-separated difficulty levels to train on (1, 2, 3), for a curriculum; empty: all")
-    person_sessions: str = _f("", "env shell_person: recorded agent sessions (a directory holding sessions.jsonl, as "
-                                  "localrl agent --record writes) whose edits the person's rules are learned from")
     max_turns: int = _f(4, "model turns per episode, each at most max_new_tokens; an episode ends at its answer")
     process_reward: str = _f("", "a user's process reward, package.module:function(state) -> float, called after each "
                                  "turn with the environment's state (the shell's: instruction, workdir, turns, "
@@ -272,11 +207,6 @@ class TrainConfig:
     mask_truncated_completions: bool = _f(False, "leave episodes that never answered (turn or context limit) out "
                                                  "of the loss, as TRL's option does; they still count in their "
                                                  "group's advantages")
-    # two-policy games: the self-play sampler (samplers/self_play.py)
-    self_play_round: int = _f(1, "self-play: steps each player trains before the other does (the first player, the "
-                                 "attacker, first)")
-    turn_tokens: int = _f(48, "self-play: the first player's turn (the attack), in tokens; the reply has "
-                              "max_new_tokens")
     # evaluation, checkpoints, the run
     eval_size: int = _f(200, "held-out problems for accuracy before and after training (0 skips)")
     eval_batch_size: int = _f(64, "prompts per greedy decoding batch during evaluation")
@@ -356,8 +286,7 @@ class TrainConfig:
             ("rollout_is", self.rollout_is == "none" or self.rollout_is in IS_MODES,
              f"must be none or one of TRL's modes: {', '.join(IS_MODES)}"),
             ("rollout_is_cap", self.rollout_is_cap >= 1, "must be at least 1"),
-            ("objective", bool(self.objective.strip()), "must name an objective (grpo, sft, experience, or "
-                                                         "package.module:function)"),
+            ("objective", bool(self.objective.strip()), "must name an objective (localrl train -h lists them)"),
             ("model", bool(self.model.strip()), "must not be empty"),
             ("data", bool(self.data.strip()), "must not be empty"),
         ]
@@ -381,7 +310,72 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}  # every field, the plug-ins' included (add_settings)
+_CORE_FIELDS = dataclasses.fields(TrainConfig)
+_SETTINGS: dict[str, type] = {}  # owner ("objective ppo") -> its settings dataclass
+
+
+def add_settings(owner: str, settings: type | None) -> None:
+    """Make the fields of ``settings``, the settings dataclass of the plug-in ``owner`` ("objective ppo"), fields of
+    ``TrainConfig``: a flag, a TOML key and a line of ``localrl train -h`` each, under the owner's heading, with
+    the default a config has when nothing sets it (``localrl.registry`` calls this as a plug-in registers; the
+    plug-in checks its fields and says which it owns). ``None`` takes the owner's settings away again.
+
+    Plug-ins that share one settings dataclass share its fields; a field another plug-in (or the core) already
+    defines is a ValueError: one meaning a flag."""
+    if settings is None:
+        _SETTINGS.pop(owner, None)
+    else:
+        if not dataclasses.is_dataclass(settings):
+            raise ValueError(f"{owner}: settings must be a dataclass of config fields (localrl.config.setting)")
+        taken = {f.name: "the core config" for f in _CORE_FIELDS} | {
+            f.name: other for other, s in _SETTINGS.items() if other != owner and s is not settings
+            for f in dataclasses.fields(s)}
+        for f in dataclasses.fields(settings):
+            if f.name in taken:
+                raise ValueError(f"{owner}: setting {f.name!r} is already a field of {taken[f.name]}")
+            if "help" not in f.metadata or f.default is dataclasses.MISSING:
+                raise ValueError(f"{owner}: setting {f.name!r} needs a default and a help line "
+                                 f"(localrl.config.setting)")
+        _SETTINGS[owner] = settings
+    _assemble()
+
+
+def _assemble() -> None:
+    """TrainConfig's fields: the core's, then each plug-in's, by owner. The class is made a dataclass again in
+    place, with every field, so that every import of it, and every config made from now on, has them all."""
+    fields = {f.name: f for f in _CORE_FIELDS}
+    for owner in sorted(_SETTINGS):
+        for f in dataclasses.fields(_SETTINGS[owner]):
+            fields.setdefault(f.name, f)
+    for name in set(FIELDS) - set(fields):
+        delattr(TrainConfig, name)
+    for made in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__"):  # made by @dataclass: made anew
+        if made in vars(TrainConfig):
+            delattr(TrainConfig, made)
+    TrainConfig.__annotations__ = {name: f.type for name, f in fields.items()}
+    for name, f in fields.items():
+        setattr(TrainConfig, name, f)
+    dataclass(TrainConfig)
+    FIELDS.clear()
+    FIELDS.update(fields)
+
+
+def plugin_settings() -> list[tuple[str, type]]:
+    """(heading, settings dataclass) of each plug-in's settings, in field order; plug-ins sharing one dataclass
+    share a heading ("env shell, shell_drafts"). A heading is the owners, then the dataclass's docstring."""
+    owners: dict[type, list[str]] = {}
+    for owner in sorted(_SETTINGS):
+        owners.setdefault(_SETTINGS[owner], []).append(owner)
+    out = []
+    for settings, names in owners.items():
+        kind = names[0].partition(" ")[0]
+        heading = f"{kind} " + ", ".join(n.partition(" ")[2] for n in names)
+        doc = (settings.__doc__ or "").strip()
+        if doc and not doc.startswith(settings.__name__ + "("):  # (not the signature @dataclass writes)
+            heading += f" ({doc.splitlines()[0].rstrip('.')})"
+        out.append((heading, settings))
+    return out
 MAX_INT = 10**9  # no count in a run (steps, tokens, tasks, ranks) comes near it; a typo's extra zeros do
 MAX_SEED = 2**32 - 1  # seeds are mixed with the step into 64-bit generator seeds
 
@@ -492,23 +486,20 @@ def parse_overrides(argv: list[str], allowed: list[str] | None = None) -> dict[s
     return out
 
 
-# ``localrl train -h`` groups the fields, as TRL's config docs do: (heading, the group's first field), in field order
+# ``localrl train -h`` groups the fields, as TRL's config docs do: (heading, the group's first field), in field order;
+# each plug-in's settings follow, under their own headings (``add_settings``)
 HELP_SECTIONS = [("what to train: model, data, rewards", "model"), ("model and adapter; the objective", "quantize"),
                  ("the step: prompts, group, completion budget", "steps"),
                  ("sampling: the sampler; prompt completions (torch or llama.cpp)", "sampler"),
-                 ("sampling: Markovian traces", "markovian_chunk"),
-                 ("sampler prefix_tree (Tree-OPO)", "teacher_traces"),
-                 ("sampler plan_then_act (PTA-GRPO)", "plan_count"),
                  ("the policy loss (TRL's names and defaults)", "num_iterations"), ("KL to the reference", "beta"),
-                 ("optimiser and memory", "lr"), ("objective experience (training-free GRPO)", "experience_judge"),
-                 ("objective ppo (PPO with a critic)", "num_ppo_epochs"),
-                 ("objective turn_grpo (turn-level credit)", "turn_discount"),
-                 ("agent training (--env)", "env"), ("evaluation, checkpoints, the run", "eval_size")]
+                 ("optimiser and memory", "lr"), ("agent training (--env)", "env"),
+                 ("evaluation, checkpoints, the run", "eval_size")]
 
 
 def fields_help(only: list[str] | None = None) -> str:
     """One line per config field (or each of ``only``), grouped under ``HELP_SECTIONS``, for ``localrl train -h``."""
-    starts = {first: heading for heading, first in HELP_SECTIONS}
+    starts = {first: heading for heading, first in HELP_SECTIONS} | {
+        dataclasses.fields(settings)[0].name: heading for heading, settings in plugin_settings()}
     lines, heading, shown = [], None, None
     for name, f in FIELDS.items():
         heading = starts.get(name, heading)
@@ -524,6 +515,11 @@ def fields_help(only: list[str] | None = None) -> str:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Field values from a TOML file (top level, or a [train] table), type-checked."""
+    return {k: coerce(k, v, f"{path}: ") for k, v in read_toml(path).items()}
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The fields a TOML file sets (top level, or a [train] table), as the file has them."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {p}: " + ("is a directory" if p.is_dir() else "not found"))
@@ -551,7 +547,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     for old, (new, values) in LEGACY_FIELDS.items():
         if old in raw and new not in raw and raw[old] in values:
             raw[new] = values[raw.pop(old)]
-    return {k: coerce(k, v, f"{p}: ") for k, v in raw.items()}
+    return raw
 
 
 def config_values(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -35,13 +35,13 @@ import shutil
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from localrl.atomic import atomic_dir, write_text_atomic
-from localrl.config import TrainConfig, config_values, to_toml
+from localrl.config import FIELDS, TrainConfig, coerce, config_values, read_toml, to_toml
 from localrl.errors import UserError, out_of_space
 from localrl.metrics import read_metrics
 
@@ -216,17 +216,24 @@ class Run:
     def read_config(self, overrides: dict | None = None) -> TrainConfig:
         """The saved config with ``overrides`` applied (for example more steps); not written back. The file holds
         every field as the run resolved it (presets applied), so it is read as it is; the config's own fields are
-        checked here, the plug-ins' settings by the run that uses it (``training.settings.check_config``)."""
+        checked here, the plug-ins' settings by the run that uses it (``training.settings.check_config``), whose
+        import registers them (``saved`` reads one field without them)."""
         cfg = TrainConfig(**config_values(self.config_path, overrides)).validate()
         cfg.run_dir = str(self.path)
         return cfg
 
+    def saved(self, name: str) -> Any:
+        """One core field of the saved config (its default where the file does not set it), read without the
+        plug-ins' settings registered."""
+        return coerce(name, read_toml(self.config_path).get(name, FIELDS[name].default), f"{self.config_path}: ")
+
     def total_steps(self) -> int:
         """The configured number of steps; 0 while the config is missing or unreadable."""
         try:
-            return TrainConfig(**config_values(self.config_path)).validate().steps
+            steps = self.saved("steps")
         except UserError:
             return 0
+        return steps if steps >= 1 else 0
 
     def write_config(self, cfg: TrainConfig, base_fingerprint: dict | None = None) -> None:
         write_text_atomic(self.config_path, to_toml(cfg))
@@ -334,11 +341,11 @@ class Run:
 
         from localrl.modeling import load_base, load_config, load_tokenizer
 
-        cfg = cfg or self.read_config()
+        model, dtype = (cfg.model, cfg.compute_dtype) if cfg else (self.saved("model"), self.saved("compute_dtype"))
         ckpt = self._require_checkpoint()
-        path, _ = load_config(cfg.model)
+        path, _ = load_config(model)
         tok = load_tokenizer(path)
-        base = load_base(path, in_4bit, device, cfg.compute_dtype)
+        base = load_base(path, in_4bit, device, dtype)
         try:
             model = PeftModel.from_pretrained(base, str(ckpt))
         except Exception as e:  # a damaged adapter: one line, not a traceback
@@ -352,9 +359,8 @@ class Run:
 
         from localrl.modeling import load_config, load_full, load_tokenizer
 
-        cfg = self.read_config()
         ckpt = self._require_checkpoint()
-        path, config = load_config(cfg.model)
+        path, config = load_config(self.saved("model"))
         tok = load_tokenizer(path)
         if check is not None:
             check(config, tok)

@@ -25,6 +25,8 @@ torch.set_num_threads(THREADS)
 # float32 tolerances hold on any machine, and the tests of bfloat16 ask for it (tests/test_precision.py)
 os.environ["LOCALRL_CPU_BFLOAT16"] = "0"
 
+import localrl.training.settings  # noqa: E402,F401 (every plug-in registered: TrainConfig has their settings, as
+# `from localrl import TrainConfig` gives it to a user)
 from tests.helpers import ARCH_CONFIGS, make_tiny_model  # noqa: E402 (after the environment is set)
 
 WORKER_MEMORY = 5 << 30  # the most one test's processes hold at once (a real model's step and its export: ~4 GiB)

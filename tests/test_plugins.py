@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from localrl.config import FIELDS, setting
 from localrl.envs import EnvSetup, environments
 from localrl.errors import UserError
 from localrl.objectives import Objective, objectives
@@ -30,7 +31,7 @@ class Answers(Objective):
     def step(self, ctx, step, tokens):
         from localrl.generation.rollout import encode_prompts
 
-        rows = ctx.sampler.task.sample(0, self.cfg.prompts_per_step, self.cfg.seed)
+        rows = ctx.sampler.task.sample(0, self.rows(), self.cfg.seed)
         prompts = encode_prompts(ctx.tok, rows, ctx.sampler.task.system)
         targets = [ctx.tok(f"<answer>{r['answer']}</answer>", add_special_tokens=False)["input_ids"] for r in rows]
         ctx.model.train()
@@ -39,11 +40,46 @@ class Answers(Objective):
         for prompt, target in zip(prompts, targets):
             ids = torch.tensor([prompt + target], device=ctx.device)
             logits = ctx.model(ids).logits[0, len(prompt) - 1:-1]
-            loss = torch.nn.functional.cross_entropy(logits.float(), ids[0, len(prompt):]) / len(rows)
+            loss = torch.nn.functional.cross_entropy(logits.float(), ids[0, len(prompt):]) * self.scale() / len(rows)
             loss.backward()
             total += loss.item()
         ctx.optimizer.step()
-        return {"kind": "train", "step": step + 1, "loss": total}
+        return {"kind": "train", "step": step + 1, "loss": total, "rows": len(rows), "scale": self.scale()}
+
+    def rows(self) -> int:
+        return self.cfg.prompts_per_step
+
+    def scale(self) -> float:
+        return 1.0
+
+
+@dataclass
+class RowsSettings:
+    """supervised steps on a few of the task's rows"""
+
+    answer_rows: int = setting(4, "objective rows: the task's rows each step trains on")
+    answer_scale: float = setting(1.0, "objective rows: the factor on each step's loss")
+
+
+class Rows(Answers):
+    """Answers' steps on ``answer_rows`` rows, the loss times ``answer_scale``: an objective with settings, a preset
+    and a check of its own, all in this file."""
+
+    settings = RowsSettings
+    preset = {"eval_size": 8}
+
+    @staticmethod
+    def check_settings(cfg) -> None:
+        from localrl.config import check_fields
+
+        check_fields(cfg, [("answer_rows", cfg.answer_rows >= 1, "must be at least 1"),
+                           ("answer_scale", cfg.answer_scale > 0, "must be positive")])
+
+    def rows(self) -> int:
+        return self.cfg.answer_rows
+
+    def scale(self) -> float:
+        return self.cfg.answer_scale
 
 
 # -- a test-local environment: say as many different letters as you can, in one turn --------------------------
@@ -125,6 +161,38 @@ def test_a_test_local_objective_trains_from_the_cli(registered, builtin_model, t
     assert "held-out accuracy" in capsys.readouterr().out
 
 
+def test_an_objective_with_settings_is_one_file_from_flags_toml_and_help(builtin_model, tmp_path, capsys):
+    """An objective registered from this module brings two settings (a flag and a TOML key each, a section of
+    ``localrl train -h``), a preset and a check; a field of it set while another objective is selected is one line."""
+    from localrl.cli import main
+    from localrl.metrics import read_metrics
+    from localrl.runs import Run
+
+    objectives.register("rows", Rows)
+    try:
+        with pytest.raises(SystemExit):
+            main(["train", "-h"])
+        assert ("objective rows (supervised steps on a few of the task's rows):\n  --answer-rows VALUE"
+                in capsys.readouterr().out)
+        toml, run = tmp_path / "rows.toml", tmp_path / "run"
+        toml.write_text('objective = "rows"\nanswer_scale = 0.5\n')
+        assert main(["train", "--config", str(toml), "--answer-rows", "2", "--steps", "2", "--rollout", "torch",
+                     "--run-dir", str(run)]) == 0
+        records = read_metrics(Run(run).metrics_path)
+        assert [(r["rows"], r["scale"]) for r in records if r["kind"] == "train"] == [(2, 0.5), (2, 0.5)]
+        assert [r["n"] for r in records if r["kind"] == "eval"] == [8, 8]  # its preset's eval_size
+        saved = Run(run).read_config()
+        assert (saved.answer_rows, saved.answer_scale, saved.eval_size) == (2, 0.5, 8)
+        for argv, line in [(["--answer-rows", "3"], "config field answer_rows: needs objective rows"),
+                           (["--objective", "rows", "--answer-rows", "0"],
+                            "config field answer_rows: must be at least 1 (got 0)")]:
+            assert main(["train", *argv, "--run-dir", str(tmp_path / "refused")]) == 2
+            assert capsys.readouterr().err == f"localrl: error: {line}\n"
+        assert not (tmp_path / "refused").exists()
+    finally:
+        objectives.unregister("rows")
+
+
 def test_a_test_local_environment_trains_by_grpo_from_the_cli(registered, tmp_path, capsys):
     from localrl.cli import main
     from localrl.metrics import read_metrics
@@ -156,18 +224,25 @@ def test_a_plugin_brings_its_preset_and_checks_its_own_settings(registered, tmp_
     assert not (tmp_path / "r").exists()
 
 
+@dataclass
+class RanksSettings:
+    """a test module's own"""
+
+    ranks_margin: float = setting(0.0, "objective ranks: a margin it refuses above 1")
+
+
 class Ranks(Answers):
-    """A test-local objective that declares its advantages group-relative, owns a field, and refuses a value of it
+    """A test-local objective that declares its advantages group-relative, has a setting, and refuses a value of it
     when the run selects it."""
 
     group_relative = True
-    owns = ("contrastive_margin",)  # (a field of today's config: a test module cannot add one yet)
+    settings = RanksSettings
 
     @staticmethod
     def check_selected(cfg) -> None:
         from localrl.config import check_fields
 
-        check_fields(cfg, [("contrastive_margin", cfg.contrastive_margin <= 1, "ranks: must be at most 1")])
+        check_fields(cfg, [("ranks_margin", cfg.ranks_margin <= 1, "ranks: must be at most 1")])
 
 
 def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(registered):
@@ -184,15 +259,19 @@ def test_samplers_ask_capabilities_and_an_unselected_plugins_field_is_refused(re
                                             r"\(its advantages are GRPO's, staged over the tree; objectives that can: "
                                             r"contrastive_grpo, grpo, ranks, turn_grpo\)"):
             build_config(None, {"objective": "answers", "sampler": "prefix_tree"})
-        assert build_config(None, {"objective": "ranks", "contrastive_margin": 0.5}).contrastive_margin == 0.5
+        assert build_config(None, {"objective": "ranks", "ranks_margin": 0.5}).ranks_margin == 0.5
         assert build_config(None, {"objective": "contrastive_grpo", "contrastive_margin": 0.5}).contrastive_margin == 0.5
-        with pytest.raises(UserError, match=r"^config field contrastive_margin: needs objective contrastive_grpo or ranks$"):
-            build_config(None, {"objective": "answers", "contrastive_margin": 0.5})
-        with pytest.raises(UserError, match=r"^config field contrastive_margin: ranks: must be at most 1 \(got 2"):
-            build_config(None, {"objective": "ranks", "contrastive_margin": 2})
-        assert build_config(None, {"objective": "contrastive_grpo", "contrastive_margin": 2}).contrastive_margin == 2
+        with pytest.raises(UserError, match=r"^config field ranks_margin: needs objective ranks$"):
+            build_config(None, {"objective": "answers", "ranks_margin": 0.5})
+        with pytest.raises(UserError, match=r"^config field contrastive_margin: needs objective contrastive_grpo$"):
+            build_config(None, {"objective": "ranks", "contrastive_margin": 0.5})
+        with pytest.raises(UserError, match=r"^config field ranks_margin: ranks: must be at most 1 \(got 2"):
+            build_config(None, {"objective": "ranks", "ranks_margin": 2})
     finally:
         objectives.unregister("ranks")
+    assert "ranks_margin" not in FIELDS  # an unregistered plug-in's settings are gone with it
+    with pytest.raises(UserError, match=r"^unknown config field 'ranks_margin'$"):
+        build_config(None, {"ranks_margin": 0.5})
 
 
 def test_two_samplers_claiming_one_config_is_one_line_never_a_pick_by_module_order():
@@ -298,13 +377,19 @@ def test_localrl_eval_of_a_run_equals_the_runs_own_final_evaluation(builtin_mode
 
 
 def test_plugins_named_as_module_function_run_from_a_fresh_process(builtin_model, tmp_path):
-    """As a user names their own code: ``--objective pkg.module:Class`` and ``--env pkg.module:function`` (here
-    this test module, importable from the repository root), in a new ``localrl`` process."""
+    """As a user names their own code: ``--objective pkg.module:Class`` (its settings' flags included) and ``--env
+    pkg.module:function`` (here this test module, importable from the repository root), in a new ``localrl``
+    process."""
     from tests.helpers import localrl
 
-    proc = localrl("train", "--objective", "tests.test_plugins:Answers", "--steps", "2", "--eval-size", "0",
-                   "--rollout", "torch", "--run-dir", tmp_path / "obj", cwd=ROOT)
+    from localrl.metrics import read_metrics
+    from localrl.runs import Run
+
+    # (an objective with settings of its own: its flag is known once the module is named)
+    proc = localrl("train", "--objective", "tests.test_plugins:Rows", "--answer-rows", "2", "--steps", "2",
+                   "--eval-size", "0", "--rollout", "torch", "--run-dir", tmp_path / "obj", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+    assert [r["rows"] for r in read_metrics(Run(tmp_path / "obj").metrics_path) if r["kind"] == "train"] == [2, 2]
     proc = localrl("train", "--env", "tests.test_plugins:letters_environment", "--model", "tiny-shell", "--steps", "1",
                    "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "16",
                    "--eval-size", "2", "--run-dir", tmp_path / "env", cwd=ROOT)
@@ -343,7 +428,7 @@ def test_every_flag_and_toml_key_from_before_the_plugin_design_still_works(tmp_p
     import re
 
     from localrl.cli import main
-    from localrl.config import TrainConfig
+    from localrl.config import TrainConfig, flag_name, parse_overrides, read_toml
     from localrl.training.settings import build_config
 
     with pytest.raises(SystemExit):
@@ -351,6 +436,19 @@ def test_every_flag_and_toml_key_from_before_the_plugin_design_still_works(tmp_p
     now = set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", capsys.readouterr().out))
     assert not set(FLAGS_BEFORE) - now, sorted(set(FLAGS_BEFORE) - now)
     assert build_config(ROOT / "tests" / "data" / "config-before-plugins.toml") == TrainConfig().validate()
+    # and every field as it was before the plug-ins owned their settings (to_toml at 7f6db72): the same flag, TOML
+    # key, type, default and help, wherever the field is declared now
+    snapshot = ROOT / "tests" / "data" / "train-fields-2026-12-07.toml"
+    assert build_config(snapshot) == TrainConfig().validate()
+    before = read_toml(snapshot)
+    assert len(before) == 126 and set(before) <= set(FIELDS)
+    helps = dict(re.findall(r"^(\w+) = .*?  # (.*)$", snapshot.read_text(), re.M))
+    for name, value in before.items():
+        assert (type(FIELDS[name].default), FIELDS[name].default) == (type(value), value), name
+        if name not in ("objective", "sampler", "env"):  # (these list the plug-ins now: -h lists the registries')
+            assert FIELDS[name].metadata["help"] == helps[name], name
+        assert parse_overrides([flag_name(name), str(value).lower() if isinstance(value, bool) else str(value)]) \
+            == {name: value}
 
 
 def test_the_python_api_still_imports_from_the_package():

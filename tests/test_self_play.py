@@ -137,7 +137,7 @@ def test_a_grpo_subclass_trains_the_game_too(tmp_path, lengths_game):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--turn-tokens", "8"], "config field turn_tokens: is for a two-policy game's env"),
+    (["--turn-tokens", "8"], "config field turn_tokens: needs sampler self_play"),
     (["--env", "secret_keeping", "--objective", "sft"], "config field objective: sft cannot train with sampler "
                                                         "self_play (it trains each player by GRPO over its group"),
     (["--env", "secret_keeping", "--max-turns", "3"], "config field max_turns: a game has one turn each"),

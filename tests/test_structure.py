@@ -214,3 +214,48 @@ def test_builtin_names_match_their_pretraining():
     from localrl.models.build import PRETRAINING
 
     assert builtin_names() == sorted(PRETRAINING)
+
+
+# Where a built-in plug-in's name is written outside the file that defines it, and why (a name elsewhere is a branch
+# on a recipe, or a recipe choosing another by name, where a capability or a registry lookup belongs)
+NAME_EXCEPTIONS = {
+    ("localrl/config.py", "grpo"): "the default objective, and the default loss_type (policy/losses.py's grpo)",
+    ("localrl/samplers/__init__.py", "completions"): "the default sampler, when no other claims a config",
+    ("localrl/commands/train.py", "sft"): "`localrl sft` is the command that runs the sft objective",
+    ("localrl/objectives/sft.py", "shell"): "its preset: the environment whose expert it learns from by default",
+    ("localrl/commands/bench.py", "world"): "`localrl bench world`: a benchmark's name",
+    ("localrl/commands/bench.py", "sft"): "`bench approvals --learn sft`: how that benchmark learns",
+    ("localrl/evaluation/world_fidelity.py", "episodes"): "a column of its table (episodes played)",
+    ("localrl/evaluation/analyze.py", "completions"): "a train record's count of completions",
+    ("localrl/objectives/__init__.py", "completions"): "the train record's count of completions (step_record)",
+}
+
+
+def test_no_plugin_name_outside_its_own_file():
+    """The loop, config.py, commands/, evaluation/, memory.py and the plug-in packages write no built-in plug-in's
+    name (a quoted ``"name"`` or ``"name:..."``) outside the module that registers it, except NAME_EXCEPTIONS."""
+    import inspect
+    import re
+
+    from localrl.envs import environments
+    from localrl.objectives import objectives
+    from localrl.samplers import samplers
+
+    home = {name: Path(inspect.getsourcefile(plugin)).relative_to(ROOT).as_posix()
+            for registry in (objectives, samplers, environments) for name, plugin in registry.items()
+            if plugin.__module__.startswith("localrl.")}
+    files = [ROOT / "localrl" / "training" / "loop.py", ROOT / "localrl" / "config.py", ROOT / "localrl" / "memory.py"]
+    for folder in ("commands", "evaluation", "objectives", "samplers", "envs"):
+        files += sorted((ROOT / "localrl" / folder).glob("*.py"))
+    found, used = [], set()
+    for path in files:
+        rel, source = path.relative_to(ROOT).as_posix(), path.read_text()
+        for name, own in home.items():
+            if rel == own or not re.search(rf"""(["']){re.escape(name)}(:[^"'\n]*)?\1""", source):
+                continue
+            if (rel, name) in NAME_EXCEPTIONS:
+                used.add((rel, name))
+            else:
+                found.append(f"{rel}: {name!r}")
+    assert not found, found
+    assert used == set(NAME_EXCEPTIONS), set(NAME_EXCEPTIONS) - used  # an exception no longer needed goes

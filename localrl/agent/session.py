@@ -42,7 +42,7 @@ def agent_system(setting: str, source: str) -> str | None:
 
         base = Path(read_gguf_info(base).name or "x").name  # the exported model's source directory
     elif Path(base).is_dir() and Run(base).config_path.is_file():
-        base = Run.open(base).read_config().model
+        base = Run.open(base).saved("model")
     return None if builtin_path(base) is not None else ""
 
 

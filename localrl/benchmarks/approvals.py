@@ -81,7 +81,7 @@ def _start(source: str) -> dict:
     model); anything else from itself."""
     from localrl.runs import Run, is_run
 
-    return {"model": Run.open(source).read_config().model, "init_adapter": source} if is_run(source) else {
+    return {"model": Run.open(source).saved("model"), "init_adapter": source} if is_run(source) else {
         "model": source}
 
 

@@ -17,9 +17,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from localrl.objectives import objectives
     from localrl.runs import Run
     from localrl.samplers import sampler_for
+    from localrl.training.settings import read_run_config
 
     run = Run.open(args.run)
-    cfg = run.read_config()
+    cfg = read_run_config(run)
     curve = Curve(sampler_for(cfg).measure.what, objectives.get(cfg.objective).samples)
     out = plot_run(args.run, args.out or run.learning_curve_path, args.title, curve)
     print(f"wrote {out}")

@@ -16,9 +16,9 @@ from localrl.errors import UserError
 def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:
     quiet_libraries()
     from localrl.runs import Run
-    from localrl.training.settings import build_config
+    from localrl.training.settings import build_config, read_run_config
 
-    cfg = Run.open(args.run).read_config(overrides) if args.run else build_config(None, overrides)
+    cfg = read_run_config(Run.open(args.run), overrides) if args.run else build_config(None, overrides)
     if args.reliability:
         check_png_path(args.reliability, "eval --reliability")
     bar = ProgressBar(0)
@@ -90,12 +90,12 @@ def evaluate_policy(cfg, run: str | Path | None = None,
     from localrl.modeling import default_4bit, load_base, load_config, load_tokenizer, pick_device
     from localrl.runs import Run
     from localrl.samplers import ModelInfo, sampler_for
-    from localrl.training.settings import check_config
+    from localrl.training.settings import check_config, read_run_config
 
     check_config(cfg)
     sampler = sampler_for(cfg)(cfg)
     if run is not None:  # an adapter is evaluated on what it was trained for, or the number means nothing
-        trained = Run.open(run).read_config()
+        trained = read_run_config(Run.open(run))
         was = sampler_for(trained)(trained)
         if (trained.env, type(was)) != (cfg.env, type(sampler)):
             raise UserError(f"eval {run}: the run was trained {was.describe_eval()}; evaluating it "

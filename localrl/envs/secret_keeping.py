@@ -103,6 +103,8 @@ def load_attack_set(path: Path = ATTACK_SET_PATH) -> list[dict]:
 @environments.register("secret_keeping", preset={"max_new_tokens": 64, "group_size": 8,
                                                  "prompts_per_step": 4})
 class SecretKeeping(Game):
+    about = ("red-teaming self-play: an attacker adapter tries to make a defender adapter of the same model reveal "
+             "a password; held out on a fixed attack set")
     players = ("attacker", "defender")
     held_out_name = ATTACK_SET
 

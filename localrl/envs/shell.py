@@ -293,7 +293,8 @@ SHELL_PRESET = {"model": "tiny-shell", "steps": 30, "prompts_per_step": 8, "grou
                 "beta": 0.0, "eval_size": 100, "save_every": 10}
 
 
-@environments.register("shell", preset=SHELL_PRESET, check=check_shell_settings, owns=("env_tasks",))
+@environments.register("shell", preset=SHELL_PRESET, check=check_shell_settings, owns=("env_tasks",),
+                       about="shell tasks run in the sandbox, scored by verifiers of the final files and answer")
 def shell_environment(cfg) -> EnvSetup:
     """The sandboxed shell: the built-in task generator (``env_families``, ``env_levels``) or the user's tasks
     (``env_tasks``: a JSONL file or module:function, whose verifiers are probed here), the strongest sandbox

@@ -62,10 +62,11 @@ class DraftEnv(ShellEnv):
         return score - EDIT_WEIGHT * changed_share(self.task, self.stats.commands) if score == 1.0 else score
 
 
-@environments.register("shell_drafts", preset=SHELL_PRESET)  # (env_tasks: the shell check refuses it here)
+@environments.register("shell_drafts", preset=SHELL_PRESET,  # (env_tasks: the shell check refuses it here)
+                       about="the shell's tasks, each with a draft with one mistake to fix")
 def shell_drafts_environment(cfg) -> EnvSetup:
     """The shell's setup (sandbox, system message, expert), its built-in tasks drafted, in ``DraftEnv``."""
-    setup = shell_environment(replace(cfg, env="shell"))
+    setup = shell_environment(cfg)
     tasks = generated_tasks()
 
     def factory(source) -> DraftEnv:

@@ -14,9 +14,10 @@ person's form learned on right solutions.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from localrl.agent.edit_rules import EditRules
+from localrl.config import check_fields, setting
 from localrl.envs import EnvSetup, environments
 from localrl.envs.shell import SHELL_PRESET, ShellEnv, shell_environment, solve
 from localrl.errors import UserError
@@ -44,16 +45,24 @@ def revised_solve(env: PersonEnv, seed: int) -> tuple[float, list[tuple[str, str
     return solve(env, seed, revise=env.rules.apply)
 
 
+@dataclass
+class PersonSettings:
+    """a person learned from recorded sessions"""
+
+    person_sessions: str = setting("", "env shell_person: recorded agent sessions (a directory holding "
+                                       "sessions.jsonl, as localrl agent --record writes) whose edits the person's "
+                                       "rules are learned from")
+
+
 def check_person_settings(cfg) -> None:
     """(Called when the run selects env shell_person.)"""
-    from localrl.config import check_fields
-
     check_fields(cfg, [("person_sessions", bool(cfg.person_sessions), "env shell_person learns the "
                         "person from recorded sessions: name them (localrl agent --record DIR)")])
 
 
 @environments.register("shell_person", preset=SHELL_PRESET, check_selected=check_person_settings,
-                       owns=("person_sessions",))
+                       settings=PersonSettings, about="the shell's tasks, rewarded also by a person learned from "
+                                                      "person_sessions")
 def shell_person_environment(cfg) -> EnvSetup:
     """The shell's setup, in ``PersonEnv`` with the rules of the sessions ``person_sessions`` names."""
     try:
@@ -64,7 +73,7 @@ def shell_person_environment(cfg) -> EnvSetup:
         raise UserError(f"config field person_sessions: {cfg.person_sessions}: the sessions' {rules.edits} edits "
                         f"teach no rule (env shell_person needs a person who edited some commands)",
                         field="person_sessions")
-    setup = shell_environment(replace(cfg, env="shell"))
+    setup = shell_environment(cfg)
 
     def factory(source) -> PersonEnv:
         return PersonEnv(rules, source, cfg.max_turns, cfg.env_timeout, setup.details["isolation"])

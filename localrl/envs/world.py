@@ -136,14 +136,16 @@ def probe(world: WorldModel, task: ShellTask) -> None:
 WORLD_PRESET = {**SHELL_PRESET, "env_workers": 64}
 
 
-@environments.register("world", preset=WORLD_PRESET, argument="SOURCE")
+@environments.register("world", preset=WORLD_PRESET, argument="SOURCE",
+                       about="the shell's tasks in a shell simulated by the world model SOURCE: tiny-shell-world, a "
+                             "model, run or GGUF, or an endpoint URL|MODEL; held out in the real sandbox")
 def world_environment(cfg) -> EnvSetup:
     """The shell's built-in tasks and held-out set, simulated by the world model the env's SOURCE names; the
     held-out evaluation in the real sandbox."""
     from localrl.generation.endpoint import EndpointSettings
 
     source = environments.argument(cfg.env)
-    shell = shell_environment(replace(cfg, env="shell"))  # the tasks, the held-out set, the real sandbox
+    shell = shell_environment(cfg)  # the tasks, the held-out set, the real sandbox
     world = open_world_model(source, EndpointSettings.of(cfg))
     probe(world, shell.train(0))
     warn = Warner(world.name)

@@ -172,7 +172,7 @@ class RunCurve:
 def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = "tokens"):
     """(compute at the end of each step, the metric's value there, steps planned) of a run's train records."""
     run = Run.open(run_dir, "analyze")
-    cfg = run.read_config()
+    steps, completions = run.saved("steps"), run.saved("prompts_per_step") * run.saved("group_size")
     records = [r for r in read_metrics(run.metrics_path) if r.get("kind") == "train"]
     if len(records) < MIN_POINTS:
         raise UserError(f"analyze {run_dir}: {len(records)} training steps recorded; a curve needs at least "
@@ -181,7 +181,7 @@ def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = 
         known = sorted(k for k, v in records[0].items() if isinstance(v, (int, float)) and k != "step")
         raise UserError(f"analyze {run_dir}: its records have no {metric!r}; numbers they have: {', '.join(known)}")
     if compute == "tokens":
-        per_step = [r.get("completions", cfg.prompts_per_step * cfg.group_size) *
+        per_step = [r.get("completions", completions) *
                     r.get("completion_len", r.get("model_tokens", 0)) for r in records]
         c = np.cumsum(per_step, dtype=float)
     elif compute == "steps":
@@ -190,7 +190,7 @@ def run_points(run_dir: str | Path, metric: str = "reward_mean", compute: str = 
         c = np.array([r["wall_time"] for r in records], dtype=float)
     y = np.array([r[metric] for r in records], dtype=float)
     keep = np.isfinite(y) & (c > 0)
-    return c[keep], y[keep], cfg.steps
+    return c[keep], y[keep], steps
 
 
 def analyze_run(run_dir: str | Path, metric: str = "reward_mean", compute: str = "tokens",

@@ -6,15 +6,31 @@ such there. Everything else (sampling, advantages, clipping, KL, resume) is GRPO
 
 from __future__ import annotations
 
-from localrl.config import check_fields
+from dataclasses import dataclass
+
+from localrl.config import check_fields, setting
 from localrl.objectives import objectives
 from localrl.objectives.grpo import GRPO
 from localrl.policy.contrastive import Contrast
 
 
+@dataclass
+class ContrastiveSettings:
+    """GRPO with ConSPO's group-wise InfoNCE term"""
+
+    contrastive_coef: float = setting(1.0, "objective contrastive_grpo: weight of the group-wise InfoNCE term (each "
+                                           "group's above-mean completions against its below-mean ones) beside GRPO's "
+                                           "loss")
+    contrastive_temperature: float = setting(0.1, "objective contrastive_grpo: temperature of the InfoNCE softmax "
+                                                  "over the completions' mean token log-probabilities")
+    contrastive_margin: float = setting(0.0, "objective contrastive_grpo: the margin a positive's score must clear, "
+                                             "ramped linearly from 0 to this over the run")
+
+
 @objectives.register("contrastive_grpo")
 class ContrastiveGRPO(GRPO):
-    owns = ("contrastive_coef", "contrastive_temperature", "contrastive_margin")
+    about = "GRPO plus ConSPO's group-wise InfoNCE term"
+    settings = ContrastiveSettings
 
     @staticmethod
     def check_settings(cfg) -> None:

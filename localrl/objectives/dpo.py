@@ -16,8 +16,9 @@ Its state through a run (checkpointed): the reference (moved only by ``sync_ref_
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.memory import peak_memory_mb
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.dpo import DPO_LOSS_TYPES, dpo_update, loss_terms, preference_pairs
@@ -25,14 +26,26 @@ from localrl.policy.grpo import batch_plan
 from localrl.policy.reference import Reference
 
 
+@dataclass
+class DPOSettings:
+    """TRL's DPOConfig names; beta and loss_type are the shared fields, set by its preset"""
+
+    label_smoothing: float = setting(0.0, "objective dpo, loss_type robust: the assumed share of preference labels "
+                                          "that are flipped (0 to 0.5)")
+    loss_weights: str = setting("", "objective dpo: comma-separated weight of each loss in loss_type (empty: 1 each), "
+                                    "e.g. loss_type sigmoid,sft with loss_weights 1,0.5")
+
+
 @objectives.register("dpo")
 class DPO(Objective):
+    about = ("direct preference optimisation: offline pairs (sampler preferences) or online, each group's best over "
+             "its worst")
     rows_per_prompt = 2  # a pair a prompt
     loss_types = DPO_LOSS_TYPES
     combines_losses = True  # loss_type may name several, weighted by loss_weights (TRL's list)
     takes_pairs = True
     preset = {"beta": 0.1, "loss_type": "sigmoid"}  # TRL's DPOConfig defaults
-    owns = ("loss_weights", "label_smoothing")
+    settings = DPOSettings
 
     @staticmethod
     def check_settings(cfg) -> None:

@@ -8,9 +8,9 @@ to the model in every evaluation (``system``).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.errors import UserError
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.generation.endpoint import Endpoint, EndpointSettings, is_endpoint
@@ -19,9 +19,29 @@ from localrl.policy.experience import (MAX_LESSON_CHARS, EndpointJudge, Experien
                                        library_tokens, parse_edits, question_text, reply_start, token_room)
 
 
+@dataclass
+class ExperienceSettings:
+    """training-free GRPO: the lessons and their judge"""
+
+    experience_judge: str = setting("", "objective experience: the model that compares each group's right and wrong "
+                                        "completions and edits the lessons (a model source as for model, or an "
+                                        "OpenAI-compatible endpoint: http://HOST:PORT/v1|MODEL; empty: the policy "
+                                        "model itself)")
+    experience_size: int = setting(12, "objective experience: the most lessons the library holds (an addition to a "
+                                       "full one drops the oldest)")
+    experience_init: str = setting("", "objective experience: start from this library (a run directory's "
+                                       "experience.json or such a file: lessons by a larger judge, or written by "
+                                       "hand); empty: none")
+    experience_judge_tokens: int = setting(96, "objective experience: the longest reply of the judge, in tokens")
+    experience_tokens: int = setting(0, "objective experience: the room the lessons get in every prompt, in tokens, "
+                                        "held free in the context (an addition drops the oldest lessons to fit, an "
+                                        "edit that cannot is invalid); 0: a quarter of the context, at most 256")
+
+
 @objectives.register("experience")
 class Experience(Objective):
-    owns = ("experience_init", "experience_judge", "experience_tokens")
+    about = "training-free GRPO: no weight changes, lessons distilled from each group into the run's experience library"
+    settings = ExperienceSettings
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -55,6 +55,7 @@ class EntropyControl:
 
 @objectives.register("grpo")
 class GRPO(Objective):
+    about = "GRPO and TRL's family of policy losses (loss_type), over any sampler (the default)"
     group_relative = True
 
     def setup(self, ctx: StepContext, state: dict) -> None:

@@ -12,24 +12,39 @@ moments, and the KL reference.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.objectives import Objective, StepContext, objectives, step_record
 from localrl.policy.grpo import batch_plan
 from localrl.policy.losses import flat_group_share
 from localrl.policy.ppo import Critic, ppo_update
 from localrl.policy.reference import Reference
 
-SETTINGS = ("num_ppo_epochs", "num_mini_batches", "gamma", "lam", "cliprange_value", "vf_coef", "kl_coef",
-            "kl_estimator")
+
+@dataclass
+class PPOSettings:
+    """PPO with a critic; TRL's PPOConfig names and defaults"""
+
+    num_ppo_epochs: int = setting(4, "objective ppo: passes over each step's rollouts")
+    num_mini_batches: int = setting(1, "objective ppo: optimizer steps per pass, each on a share of the groups")
+    gamma: float = setting(1.0, "objective ppo: discount of GAE, per trained token")
+    lam: float = setting(0.95, "objective ppo: GAE's lambda")
+    cliprange_value: float = setting(0.2, "objective ppo: how far a value may move from the rollout's before the "
+                                          "value loss clips it")
+    vf_coef: float = setting(0.1, "objective ppo: weight of the value loss")
+    kl_coef: float = setting(0.05, "objective ppo: per-token KL to the reference, subtracted from the reward (beta "
+                                   "adds KL to the loss instead)")
+    kl_estimator: str = setting("k1", "objective ppo: the per-token KL in the reward: k1 (log ratio) or k3")
 
 
 @objectives.register("ppo")
 class PPO(Objective):
+    about = "PPO with a learned critic: GAE over the trained tokens, TRL's PPOConfig names"
     preset = {"beta": 0.0}  # the KL is in the reward (kl_coef), as in TRL's PPO; beta adds it to the loss too
-    owns = SETTINGS
+    settings = PPOSettings
 
     @staticmethod
     def check_selected(cfg) -> None:

@@ -21,6 +21,7 @@ from localrl.policy.sft import demo_rollout, end_of_turn, expert_demos, nll_step
 
 @objectives.register("sft")
 class SFT(Objective):
+    about = "supervised warm start on the environment's expert episodes, as `localrl sft` runs it; needs env"
     rows_per_prompt = 1  # one (expert) trajectory per task
     sample_rewards = False
     samples = False

@@ -7,16 +7,28 @@ GRPO's.
 
 from __future__ import annotations
 
-from localrl.config import check_fields
+from dataclasses import dataclass
+
+from localrl.config import check_fields, setting
 from localrl.errors import UserError
 from localrl.objectives import objectives
 from localrl.objectives.grpo import GRPO
 from localrl.policy.credit import turn_advantages
 
 
+@dataclass
+class TurnSettings:
+    """turn-level credit"""
+
+    turn_discount: float = setting(1.0, "objective turn_grpo: discount of the turn rewards in each turn's return (1: "
+                                        "the first turn's advantage is the episode's; 0: each turn credited with its "
+                                        "own)")
+
+
 @objectives.register("turn_grpo")
 class TurnGRPO(GRPO):
-    owns = ("turn_discount",)
+    about = "GRPO with turn-level credit for multi-turn episodes (turn_discount)"
+    settings = TurnSettings
 
     @staticmethod
     def check_settings(cfg) -> None:

@@ -185,3 +185,15 @@ def sampler_for(cfg: TrainConfig) -> type[Sampler]:
         raise UserError(f"config field sampler: samplers {', '.join(claims)} each claim this config; name one "
                         f"(--sampler NAME)", field="sampler")
     return samplers.get(claims[0] if claims else DEFAULT)
+
+
+def _selected(cfg: TrainConfig) -> str:
+    """The name of the sampler ``cfg`` selects, named or picked (``sampler_for``): the owner of the fields that
+    mean something in this run (``localrl.registry``)."""
+    if cfg.sampler:
+        return cfg.sampler
+    chosen = sampler_for(cfg)
+    return next(name for name, s in samplers.items() if s is chosen)
+
+
+samplers.selected = _selected

@@ -32,6 +32,7 @@ DATA_FIELDS = ("data", "eval_data", "data_config", "data_split", "eval_split", "
 
 @samplers.register("episodes")
 class Episodes(Sampler):
+    about = "multi-turn episodes in the environment env names; picked by env"
     measure = Measure("success", "tasks", "greedy episodes")
 
     def __init__(self, cfg, rewards=None):

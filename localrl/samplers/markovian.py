@@ -11,10 +11,11 @@ is the chunk length). Held-out problems are decoded as greedy traces, chunk by c
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.evaluation.evaluate import columns_of
 from localrl.generation.markovian import sample_markovian, trace_rollout
@@ -23,8 +24,20 @@ from localrl.samplers import Batch, ModelInfo, samplers
 from localrl.samplers.completions import Completions
 
 
+@dataclass
+class MarkovianSettings:
+    """Markovian thinking, Delethink's chunked traces"""
+
+    markovian_chunk: int = setting(0, "Markovian thinking (Delethink): reason in chunks of this many tokens, each "
+                                      "sampled from the query plus the last markovian_carry tokens of the one before "
+                                      "(0: off; max_new_tokens is then the whole trace's budget)")
+    markovian_carry: int = setting(0, "Markovian thinking: tokens of each chunk carried into the next one's context")
+
+
 @samplers.register("markovian")
 class Markovian(Completions):
+    about = "Markovian thinking (Delethink): traces in chunks; picked by markovian_chunk"
+    settings = MarkovianSettings
     needs = {"samples": "Markovian thinking (markovian_chunk) samples its traces"}
 
     @classmethod

@@ -20,10 +20,11 @@ Held-out problems are decoded in one pass, plan and all, and scored as training 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.data import FORMAT_PROMPT
 from localrl.data.rewards import combine, reward_names, reward_stats, score
 from localrl.errors import UserError
@@ -37,8 +38,6 @@ from localrl.samplers.completions import Completions, _with_system
 PLAN_END = "</plan>"
 PLAN_PROMPT = ("First write a short plan inside <plan> </plan> tags: the steps you will take, without calculating "
                "anything. Then t" + FORMAT_PROMPT[1:])
-_SETTINGS = ("plan_count", "plan_tokens", "plan_weight")
-
 
 def plan_rewards(correct: torch.Tensor, group_size: int) -> torch.Tensor:
     """[plans] each plan's reward: the share of its ``group_size`` completions (consecutive in ``correct``, 1 for a
@@ -79,9 +78,21 @@ class _AfterPlan:
         return self.fn([after_plan(c) for c in completions], **columns)
 
 
+@dataclass
+class PlanSettings:
+    """PTA-GRPO"""
+
+    plan_count: int = setting(4, "sampler plan_then_act: plans written for each prompt; each is completed group_size "
+                                 "times")
+    plan_tokens: int = setting(32, "sampler plan_then_act: the longest plan, in tokens (a plan ends at </plan>)")
+    plan_weight: float = setting(1.0, "sampler plan_then_act: weight of a plan's reward (the share of its completions "
+                                      "that were right) in each of its completions' reward")
+
+
 @samplers.register("plan_then_act")
 class PlanThenAct(Completions):
-    owns = _SETTINGS
+    about = "PTA-GRPO: plans first, then completions of each plan"
+    settings = PlanSettings
     needs = {"group_relative": "its advantages are GRPO's over each prompt's plans"}
 
     @staticmethod

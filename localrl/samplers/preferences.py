@@ -33,6 +33,7 @@ from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 
 @samplers.register("preferences")
 class Preferences(Sampler):
+    about = "preference pairs read from the data, nothing sampled (for objective dpo)"
     measure = Measure("preference accuracy", "pairs", "implicit reward")
     needs = {"takes_pairs": "it hands over fixed pairs"}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from localrl.config import check_fields
+from localrl.config import check_fields, setting
 from localrl.data.arithmetic import parse_question, worked_answer
 from localrl.data.jsonl import check_prompt, json_objects, last_message
 from localrl.data.rewards import combine, reward_names, reward_stats, score
@@ -32,8 +32,6 @@ from localrl.generation.rollout import Rollout, completion_token_ids, decode_com
 from localrl.policy.credit import TREE_BASELINES, tree_advantages
 from localrl.samplers import Batch, ModelInfo, Plan, samplers
 from localrl.samplers.completions import Completions, _with_system
-
-_SETTINGS = ("teacher_traces", "tree_prefixes", "tree_baseline")
 
 
 def trace_steps(trace: str) -> list[str]:
@@ -94,9 +92,25 @@ def read_traces(path: str) -> dict[str, str]:
     return out
 
 
+@dataclass
+class PrefixTreeSettings:
+    """Tree-OPO"""
+
+    teacher_traces: str = setting("", "sampler prefix_tree: the teacher's worked solutions the prefixes are cut from: "
+                                      "empty for the built-in solver's (data arith), or a JSONL file of {prompt, "
+                                      "trace} lines covering every training prompt")
+    tree_prefixes: int = setting(3, "sampler prefix_tree: prefixes cut from each trace, at evenly spaced steps "
+                                    "(lines) from the bare prompt on; each is completed group_size times")
+    tree_baseline: str = setting("expectation", "sampler prefix_tree: a prefix's value, subtracted from its "
+                                                "completions' rewards before the tree's GRPO normalisation: "
+                                                "expectation (the mean reward of its subtree), optimistic (its best), "
+                                                "pessimistic (its worst)")
+
+
 @samplers.register("prefix_tree")
 class PrefixTree(Completions):
-    owns = _SETTINGS
+    about = "Tree-OPO: completions of a teacher's solution prefixes"
+    settings = PrefixTreeSettings
     needs = {"group_relative": "its advantages are GRPO's, staged over the tree"}
 
     @staticmethod

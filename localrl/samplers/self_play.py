@@ -27,10 +27,11 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from localrl.config import FIELDS, check_fields
+from localrl.config import FIELDS, check_fields, setting
 from localrl.envs import Game, environment_for, is_game, task_seeds
 from localrl.errors import UserError
 from localrl.generation.rollout import (Rollout, decode_completions, encode_prompts, group_generators, sample_groups,
@@ -40,8 +41,6 @@ from localrl.samplers.episodes import family_success, wilson
 
 FIRST = "attacker"  # the PEFT adapter of the first player (the second's is the run's own, "default")
 SECOND = "default"
-_SETTINGS = ("self_play_round", "turn_tokens")
-
 
 def distinct_ngrams(texts: list[str], n: int) -> float:
     """Distinct word n-grams over all n-grams of ``texts`` (lowercased, split on whitespace); 0 with none."""
@@ -61,8 +60,20 @@ def game_figures(outcomes: list[dict]) -> dict[str, float]:
     return figures
 
 
+@dataclass
+class SelfPlaySettings:
+    """two-policy games"""
+
+    self_play_round: int = setting(1, "self-play: steps each player trains before the other does (the first player, "
+                                      "the attacker, first)")
+    turn_tokens: int = setting(48, "self-play: the first player's turn (the attack), in tokens; the reply has "
+                                   "max_new_tokens")
+
+
 @samplers.register("self_play")
 class SelfPlay(Sampler):
+    about = "a two-policy game's two adapters, trained in turn; picked by a game's env"
+    settings = SelfPlaySettings
     measure = Measure("defended", "attacks", "greedy replies")  # its second player's replies to fixed first turns
     needs = {"group_relative": "it trains each player by GRPO over its group"}
 
@@ -78,8 +89,6 @@ class SelfPlay(Sampler):
     def check_settings(cfg) -> None:
         game = bool(cfg.env) and is_game(cfg.env)
         check_fields(cfg, [
-            *[(name, game or getattr(cfg, name) == FIELDS[name].default, "is for a two-policy game's env")
-              for name in _SETTINGS],
             ("self_play_round", cfg.self_play_round >= 1, "must be at least 1"),
             ("turn_tokens", cfg.turn_tokens >= 1, "must be at least 1"),
             ("sync_ref_model", not (game and cfg.sync_ref_model), "the KL reference of self-play is the base (no sync)"),

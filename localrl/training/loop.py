@@ -42,7 +42,7 @@ from localrl.samplers import ModelInfo, Plan, Sampler, sampler_for
 from localrl.evaluation.plot import Curve
 from localrl.trackers import Reporter, check_report_to
 from localrl.training.length_schedule import max_tokens_at
-from localrl.training.settings import check_config
+from localrl.training.settings import check_config, read_run_config
 
 
 @dataclass
@@ -142,7 +142,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
     """The saved config of a run, with ``overrides`` (for example more steps) applied; nothing is written."""
-    return Run.open(run_dir, "resume").read_config(overrides)
+    return read_run_config(Run.open(run_dir, "resume"), overrides)
 
 
 def _status(stage: str, message: str, **progress) -> dict:

@@ -5,6 +5,11 @@ checks its own; it imports no plug-in).
     build_config(file, overrides)   # defaults < env preset < objective preset < file < flags, then check_config
     check_config(cfg)               # the config's own fields, the loss type the objective takes, each plug-in's,
                                     # and what the sampler needs of the objective (capabilities, not names)
+    register_named(values)          # the user's plug-ins named package.module:function, so their settings read
+    read_run_config(run)            # a run's saved config, its plug-ins registered
+    plugins_help()                  # the registered plug-ins, a line each (localrl train -h)
+
+Importing this module registers every built-in plug-in, and so makes their settings fields of ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -12,16 +17,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localrl.config import FIELDS, TrainConfig, check_fields, config_values
+from localrl.config import FIELDS, TrainConfig, check_fields, config_values, read_toml
 from localrl.envs import environments
 from localrl.errors import UserError
 from localrl.objectives import objectives
 from localrl.policy.losses import LOSSES
+from localrl.runs import Run
 from localrl.samplers import sampler_for, samplers
 
 
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, the selected plug-ins' presets, then the TOML file, then overrides; checked (``check_config``)."""
+    register_named({**(read_toml(file) if file else {}), **(overrides or {})})
     values = config_values(file, overrides)
     # the objective's preset first: it may choose the environment, whose preset then applies
     for k, v in objectives.preset(values.get("objective", FIELDS["objective"].default)).items():
@@ -29,6 +36,31 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     for k, v in environments.preset(values.get("env", FIELDS["env"].default)).items():
         values.setdefault(k, v)
     return check_config(TrainConfig(**values))
+
+
+def register_named(values: dict[str, Any]) -> None:
+    """Import and register the plug-ins ``values`` name as ``package.module:function`` (an objective, sampler or
+    environment of the user's own), so that their settings are config fields before the other values are read."""
+    for registry in (objectives, samplers, environments):
+        name = values.get(registry.field)
+        if isinstance(name, str) and ":" in name:
+            registry.resolve(name)
+
+
+def read_run_config(run: Run, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A run's saved config (``Run.read_config``), the user's plug-ins it names registered first."""
+    register_named(read_toml(run.config_path) if run.config_path.is_file() else {})
+    return run.read_config(overrides)
+
+
+def plugins_help() -> str:
+    """The registered objectives, samplers and environments, what each is in a line (``localrl train -h``)."""
+    lines = []
+    for registry in (objectives, samplers, environments):
+        lines.append(f"{registry.kind}s (--{registry.field.replace('_', '-')} NAME, or package.module:function):")
+        lines += [f"  {name:<34} {about}" for name, about in registry.listing()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def check_config(cfg: TrainConfig) -> TrainConfig:
@@ -68,3 +100,9 @@ def check_capabilities(cfg: TrainConfig) -> None:
             able = sorted(n for n, o in objectives.items() if getattr(o, capability, False))
             raise UserError(f"config field objective: {cfg.objective} cannot train with sampler {name} ({why}; "
                             f"objectives that can: {', '.join(able) or 'none'})", field="objective")
+
+
+# Every built-in plug-in registered now, as this module is imported: their settings are fields of TrainConfig
+# before any config is read or made (``from localrl import TrainConfig`` comes through here)
+for _registry in (objectives, samplers, environments):
+    _registry.names()
