@@ -1,14 +1,14 @@
 """The data of the built-in terminal agent, ``tiny-shell``: trajectories of scripted solvers.
 
 ``spec.corpus_tasks`` tasks from the training split (never a held-out one), their names placeholders
-(``shell_tasks.Placeholders``), are played once
+(``task_names.Placeholders``), are played once
 each in the sandbox by a scripted agent that types the task's expert commands, or with
 probability ``spec.slip`` its careless ones (``ShellTask.slip``: ``wc -w`` for ``wc -l``, a
 lowercase grep, ``sed`` without ``-i``, ...), then answers from the last output. The model
 learns the protocol (one ``<tool_call>`` per turn, ``<answer>`` at the end) and both habits,
 the careless one more often, so greedy decoding solves only some tasks before RL, while
 sampling finds right trajectories often enough for GRPO to learn from. Each time an episode goes into a
-batch its placeholders become fresh names from the seen side of the vocabulary (``shell_tasks.rename``), so
+batch its placeholders become fresh names from the seen side of the vocabulary (``task_names.rename``), so
 the model meets some hundred thousand names and must copy them from the task: a corpus with fixed names was
 memorised, names and all, and miscopied names it had not seen (``vuzatu.csv`` became ``tezatu.csv``).
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 
 from localrl.envs.shell import ShellEnv, solve, task_list
-from localrl.envs.shell_tasks import Names, rename, sample_tasks
+from localrl.envs.shell_tasks import sample_tasks
+from localrl.envs.task_names import Names, rename
 from localrl.generation.agent_rollout import TurnFormat
 from localrl.models.pretraining import CHAT_TEMPLATE, SPECIAL_TOKENS, Pretraining, pad_batch
 from localrl.policy.sft import episode_tokens

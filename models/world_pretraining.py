@@ -1,11 +1,11 @@
 """The data of the built-in world model of the shell, ``tiny-shell-world``: what the real shell did.
 
 ``spec.corpus_tasks`` tasks from the training split (never a held-out one), their names placeholders
-(``shell_tasks.Placeholders``), are each played twice in the sandbox, by the scripted expert and by the careless
+(``task_names.Placeholders``), are each played twice in the sandbox, by the scripted expert and by the careless
 one (``ShellTask.slip``), and every command is recorded as one transition: (the files before, the command) ->
 (the output the agent saw, the files' changes), in the world format (``localrl.envs.world_format``) that
 ``--env world:tiny-shell-world`` asks it in. Each time a transition goes into a batch its placeholders become fresh
-names (``shell_tasks.rename``), as in tiny-shell's pretraining, so the model copies names rather than recalls them.
+names (``task_names.rename``), as in tiny-shell's pretraining, so the model copies names rather than recalls them.
 The loss is on the answer only. Every example starts with the world format's system message, as every world model
 is asked (a served GGUF of it is asked over HTTP exactly as any other model is).
 """
@@ -16,7 +16,8 @@ import random
 from dataclasses import dataclass
 
 from localrl.envs.shell import ShellEnv, expert_call, task_list
-from localrl.envs.shell_tasks import Names, rename, sample_tasks
+from localrl.envs.shell_tasks import sample_tasks
+from localrl.envs.task_names import Names, rename
 from localrl.envs.world_format import WORLD_SYSTEM, answer, question, read_tree
 from localrl.models.pretraining import pad_batch
 from localrl.models.shell_pretraining import ShellPretraining, TAGS, build_tokenizer

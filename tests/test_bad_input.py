@@ -485,7 +485,7 @@ def test_bad_env_task_lines_are_one_line_naming_file_line_and_field(audit_dir, c
                                            + json.dumps(row) + "\n")
     before = _listing(audit_dir)
     if message is None:
-        from localrl.envs.shell_tasks import load_tasks
+        from localrl.envs.task_files import load_tasks
 
         assert len(load_tasks("tasks.jsonl")) == 2
         return
@@ -717,7 +717,7 @@ def test_the_agent_refuses_root_and_the_home_directory(audit_dir, capsys, monkey
 
 def test_past_the_first_tasks_verifiers_are_probed_on_the_starting_files(audit_dir, monkeypatch):
     import localrl.envs.shell
-    from localrl.envs.shell_tasks import load_tasks
+    from localrl.envs.task_files import load_tasks
 
     (audit_dir / "verifiers.py").write_text(VERIFIERS)
     monkeypatch.syspath_prepend(str(audit_dir))

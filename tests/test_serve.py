@@ -541,7 +541,7 @@ def _reference_depth(value) -> int:
 
 
 def test_json_depth_equals_the_parsed_documents_depth():
-    from localrl.serving.serve import json_depth
+    from localrl.serving.gate import json_depth
 
     rng = random.Random(0)
     alphabet = '[]{}"\\ax\n\u00e9'  # strings full of what the scan must see through: brackets, quotes, escapes
@@ -678,7 +678,7 @@ def test_insecure_serves_without_a_key_with_a_warning(tmp_path):
 
 
 def test_loopback_is_told_apart():
-    from localrl.serving.serve import is_loopback, served_hosts
+    from localrl.serving.gate import is_loopback, served_hosts
 
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LocalHost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "", "192.168.1.5", "::ffff:192.0.2.1", "localhost.evil.example"]))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from localrl.serving.limits import RequestLimits, grammar_shape
-from localrl.serving.serve import Gate
+from localrl.serving.gate import Gate
 
 
 @pytest.mark.parametrize("grammar, shape", [
@@ -94,7 +94,7 @@ def test_a_key_file_must_be_a_small_regular_file_and_a_readable_one_is_warned_ab
     import os
 
     from localrl.errors import UserError
-    from localrl.serving.serve import api_key_from
+    from localrl.serving.gate import api_key_from
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -12,8 +12,9 @@ import pytest
 
 from localrl.envs.sandbox import LEVELS as LEVELS_SANDBOX, level_works
 from localrl.envs.shell import WORKDIR_PREFIX, ShellEnv, expert_call, generated_tasks, solve, task_list
-from localrl.envs.shell_tasks import COMMON_NAMES, EXAMPLE_NAMES, FAMILIES, LEVELS, Check, Names, ShellTask, \
-    generate, held_out_tasks, load_tasks, name_side, rename, sample_tasks
+from localrl.envs.shell_tasks import FAMILIES, LEVELS, Check, ShellTask, generate, held_out_tasks, sample_tasks
+from localrl.envs.task_files import load_tasks
+from localrl.envs.task_names import COMMON_NAMES, EXAMPLE_NAMES, Names, name_side, rename
 from localrl.errors import UserError
 
 CELLS = [(f, lv) for f in FAMILIES for lv in LEVELS]

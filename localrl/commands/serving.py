@@ -14,7 +14,8 @@ from localrl.serving.limits import RequestLimits
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from localrl.serving.serve import api_key_from, serve
+    from localrl.serving.gate import api_key_from
+    from localrl.serving.serve import serve
 
     key = api_key_from(args.api_key, args.api_key_file, warn=lambda line: print(f"localrl: {line}", file=sys.stderr))
     if args.api_key is not None:

@@ -26,8 +26,9 @@ from localrl.agent.tool_calls import parse_tool_calls
 from localrl.envs import EnvSetup, environments, quota_fs, task_list
 from localrl.envs.sandbox import DISK_QUOTA, ISOLATION, Sandbox, level_works, strongest_level
 from localrl.envs.tree import remove_stale, remove_tree, walk
-from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks, load_tasks,
+from localrl.envs.shell_tasks import (FAMILIES, LEVELS, Check, ShellTask, call_with_timeout, held_out_tasks,
                                       sample_tasks)
+from localrl.envs.task_files import load_tasks
 from localrl.errors import UserError, failure_line
 
 TaskSource = Callable[[int], ShellTask]  # seed -> task

@@ -24,9 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
-import re
 import stat
 import sys
 import threading
@@ -34,9 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localrl.data.jsonl import json_objects
 from localrl.data.rewards import exact_match, numeric_match
-from localrl.errors import UserError, failure_line, user_callable
+from localrl.envs.task_names import EXTS, Names, Placeholders
+from localrl.envs.workdir_reads import lstat_inside, read_inside
+from localrl.errors import UserError, failure_line
 
 FAMILIES = ("count", "files", "edit", "csv", "multi")
 LEVELS = (1, 2, 3)
@@ -47,93 +46,6 @@ LOG_LEVELS = ("INFO", "INFO", "INFO", "WARN", "ERROR", "DEBUG")
 PEOPLE = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "kim", "leo", "mia",
           "nina", "omar", "paul", "rosa", "sam", "tina", "uma", "victor", "wendy")
 CITIES = ("paris", "lima", "oslo", "rome", "tokyo", "cairo", "delhi", "quito", "seoul", "berlin")
-EXTS = ("txt", "log", "csv", "md", "tmp", "json")
-
-# -- names -----------------------------------------------------------------------------------------------
-# File, directory and word names come from a large vocabulary (words people name files with, and made-up
-# pronounceable names), so an agent must read each name from its task rather than recall it. The vocabulary
-# is split in two: training tasks use only ``seen`` names, and the held-out evaluation uses only ``unseen``
-# ones, so its figure is for names the model never met. The README's examples (EXAMPLE_NAMES) are unseen.
-
-COMMON_NAMES = ("notes", "report", "data", "config", "main", "readme", "todo", "users", "events", "output", "input",
-                "debug", "backup", "archive", "summary", "results", "orders", "sales", "people", "visits", "apple",
-                "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "amber", "cedar", "delta",
-                "ember", "frost", "grape", "honey", "ivory", "koala", "lunar", "mango", "olive", "pearl", "raven",
-                "solar", "tulip", "willow", "zebra", "draft", "index", "cache", "queue", "batch", "daily", "weekly",
-                "monthly", "budget", "invoice", "ledger", "metrics", "trace", "error", "alpha", "beta", "gamma",
-                "kernel", "client", "worker", "proxy", "router", "mail", "web", "api", "db", "docs", "src", "lib",
-                "logs", "tmp", "old", "new", "final", "temp", "test", "demo", "sample", "local", "remote", "site")
-EXAMPLE_NAMES = ("app", "server", "access", "system", "build", "deploy", "audit", "backend", "cron", "nginx")
-SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
-NAME_SIDES = ("seen", "unseen")
-
-
-def name_side(name: str) -> str:
-    """Which side of the vocabulary a name is on: a quarter of names by hash, and every example name, are unseen."""
-    if name in EXAMPLE_NAMES or int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 4 == 0:
-        return "unseen"
-    return "seen"
-
-
-class Names:
-    """Names from one side of the vocabulary, drawn by ``rng``."""
-
-    def __init__(self, rng: random.Random, side: str = "seen"):
-        self.rng, self.side = rng, side
-
-    def word(self) -> str:
-        while True:
-            if self.rng.random() < 0.4:
-                name = self.rng.choice(COMMON_NAMES + EXAMPLE_NAMES)
-                if self.rng.random() < 0.4:  # a known word cut short or run on (`appl`, `notesa`): copy, never complete
-                    name = (name[:self.rng.randint(2, len(name) - 1)] if self.rng.random() < 0.5 and len(name) > 3
-                            else name + self.rng.choice(SYLLABLES))
-            else:
-                name = "".join(self.rng.choice(SYLLABLES) for _ in range(self.rng.randint(2, 3)))
-            if name_side(name) == self.side:
-                return name
-
-    def file(self, ext: str | None = None) -> str:
-        """``word.ext``, sometimes with a number (``notes_2.txt``, ``app-14.log``)."""
-        stem = self.word()
-        if self.rng.random() < 0.15:
-            stem += f"{self.rng.choice('_-')}{self.rng.randint(1, 99)}"
-        return f"{stem}.{ext or self.rng.choice(EXTS)}"
-
-    def distinct_files(self, k: int, ext: str | None = None) -> list[str]:
-        names: list[str] = []
-        while len(names) < k:
-            if (name := self.file(ext)) not in names:
-                names.append(name)
-        return names
-
-    def words(self, n: int) -> list[str]:
-        return [" ".join(self.word() for _ in range(self.rng.randint(1, 3))) for _ in range(n)]
-
-
-class Placeholders(Names):
-    """Stand-ins for every name a task draws (``zq0zq``, ``zq1zq``, ...: all distinct, and unlike any other word
-    of a task), so that an episode played once can be given fresh names any number of times (``rename``): the
-    built-in agent's recipe plays tasks with these, then sees each episode with new names every time."""
-
-    PATTERN = re.compile(r"zq\d+zq")
-
-    def __init__(self, rng: random.Random):
-        super().__init__(rng, "seen")
-        self.count = 0
-
-    def word(self) -> str:
-        self.count += 1
-        return f"zq{self.count - 1}zq"
-
-
-def rename(texts: list[str], names: Names) -> list[str]:
-    """``texts`` (one episode's) with each placeholder replaced by a distinct fresh name drawn from ``names``."""
-    fresh: dict[str, str] = {}
-    for placeholder in sorted({p for t in texts for p in Placeholders.PATTERN.findall(t)}):
-        fresh[placeholder] = next(w for w in iter(names.word, None) if w not in fresh.values())
-    return [Placeholders.PATTERN.sub(lambda m: fresh[m.group(0)], t) for t in texts]
-
 
 def _say(rng: random.Random, *wordings: str) -> str:
     """One of several wordings of the same instruction (the first is the one the README quotes)."""
@@ -235,71 +147,6 @@ def _is_number(text: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-# -- reading the final working directory ---------------------------------------------------------------
-# The model's commands made this tree: a link may point at a host file (its content would leak into
-# the reward), a FIFO or /proc file may block a read forever. So nothing is followed, only regular
-# files are read, and never more than READ_LIMIT bytes.
-
-READ_LIMIT = 1 << 20
-NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-
-
-def _open_parent(root: Path, relative: str) -> tuple[int, str] | None:
-    """An fd of ``relative``'s parent directory inside ``root`` (no link followed) and its last name."""
-    *dirs, name = Path(relative).parts
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | NO_FOLLOW)
-    except OSError:
-        return None
-    for part in dirs:
-        try:
-            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | NO_FOLLOW, dir_fd=fd)
-        except OSError:
-            os.close(fd)
-            return None
-        os.close(fd)
-        fd = inner
-    return fd, name
-
-
-def lstat_inside(root: Path, relative: str) -> os.stat_result | None:
-    """``relative``'s own status (a link is a link), or None where it or a parent is missing or a link."""
-    opened = _open_parent(root, relative)
-    if opened is None:
-        return None
-    fd, name = opened
-    try:
-        return os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def read_inside(root: Path, relative: str) -> str | None:
-    """The text of a regular file inside ``root`` (one name, not a hard link to a file elsewhere),
-    without its final newlines; None for anything else."""
-    opened = _open_parent(root, relative)
-    if opened is None:
-        return None
-    parent, name = opened
-    try:
-        fd = os.open(name, os.O_RDONLY | NO_FOLLOW, dir_fd=parent)
-    except OSError:
-        return None
-    finally:
-        os.close(parent)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > READ_LIMIT:
-            return None
-        return os.read(fd, READ_LIMIT + 1).decode(errors="replace").rstrip("\n")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _lines(lines: list[str]) -> str:
@@ -482,119 +329,3 @@ def held_out_tasks(n: int, families: tuple[str, ...] = FAMILIES, levels: tuple[i
         if task.is_held_out():
             tasks.append(task)
     return tasks
-
-
-# -- a user's own tasks ------------------------------------------------------------------------------
-
-def load_tasks(spec: str) -> list[ShellTask]:
-    """A user's tasks: a JSONL file of ``{"instruction", "files", "check"}`` lines (see the README),
-    or ``module:function`` naming a callable that returns a list of ``ShellTask``."""
-    if spec.endswith(".jsonl"):
-        return [_task_from_json(row, where) for where, row in json_objects(spec, "tasks")]
-    _, sep, name = spec.partition(":")
-    if not sep:
-        raise UserError(f"tasks {spec!r}: expected a .jsonl file or module:function")
-    make = user_callable(spec, "tasks", "env_tasks")
-    try:
-        tasks = list(make())
-    except Exception as e:  # noqa: BLE001 - the user's function: its failure in one line
-        raise UserError(f"tasks {spec}: calling {name}() failed: {failure_line(e)}", field="env_tasks") from None
-    if not tasks or not all(isinstance(t, ShellTask) for t in tasks):
-        raise UserError(f"tasks {spec}: must return a non-empty list of localrl.envs.shell_tasks.ShellTask",
-                        field="env_tasks")
-    return tasks
-
-
-_TASK_FIELDS = ("instruction", "files", "check", "family", "level", "solution")
-_CHECK_FIELDS = ("answer", "files", "absent", "dirs")
-
-
-def _task_from_json(row: dict, where: str) -> ShellTask:
-    """One line of a tasks file, checked field by field: ``file:line: field: what`` for the first wrong one."""
-    unknown = set(row) - set(_TASK_FIELDS)
-    if unknown:
-        raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r} (a task has {', '.join(_TASK_FIELDS)})")
-    instruction = row.get("instruction")
-    if not isinstance(instruction, str) or not instruction.strip():
-        raise UserError(f"{where}: instruction: must be a non-empty string (got {_shown(instruction)})")
-    files = _path_map(row.get("files", {}), where, "files")
-    _no_file_inside_a_file(files, where)
-    check = row.get("check")
-    if not isinstance(check, dict) or not check or set(check) - set(_CHECK_FIELDS):
-        raise UserError(f"{where}: check: must be an object with some of {', '.join(_CHECK_FIELDS)} "
-                        f"(got {_shown(check)})")
-    answer = check.get("answer")
-    if answer is not None and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)
-                               or isinstance(answer, float) and not math.isfinite(answer)):
-        raise UserError(f"{where}: check.answer: must be a string or a finite number (got {_shown(answer)})")
-    expected = _path_map(check.get("files", {}), where, "check.files")
-    absent = _path_list(check.get("absent", []), where, "check.absent")
-    dirs = _path_list(check.get("dirs", []), where, "check.dirs")
-    family = row.get("family", "user")
-    if not isinstance(family, str) or not family.strip():
-        raise UserError(f"{where}: family: must be a non-empty string (got {_shown(family)})")
-    level = row.get("level", 0)
-    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
-        raise UserError(f"{where}: level: must be a whole number, 0 or more (got {_shown(level)})")
-    solution = row.get("solution", [])
-    if not isinstance(solution, list) or not all(isinstance(c, str) and c.strip() for c in solution):
-        raise UserError(f"{where}: solution: must be a list of shell commands, each a non-empty string "
-                        f"(got {_shown(solution)})")
-    return ShellTask(instruction, files, Check(None if answer is None else str(answer), expected, absent, dirs),
-                     family, level, tuple(solution))
-
-
-def _shown(value) -> str:
-    """A JSON value as an error shows it (shortened); a missing one as "nothing"."""
-    if value is None:
-        return "nothing"
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _path_map(value, where: str, name: str) -> dict[str, str]:
-    """A JSON object of relative path -> text content (``files``, ``check.files``)."""
-    if not isinstance(value, dict):
-        raise UserError(f"{where}: {name}: must be an object mapping relative paths to text contents "
-                        f"(got {_shown(value)})")
-    for path, content in value.items():
-        _check_path(path, where, name)
-        if not isinstance(content, str):
-            raise UserError(f"{where}: {name}: the content of {path!r} must be a string (got {_shown(content)})")
-    return dict(value)
-
-
-def _path_list(value, where: str, name: str) -> tuple[str, ...]:
-    """A JSON list of relative paths (``check.absent``, ``check.dirs``)."""
-    if not isinstance(value, list):
-        raise UserError(f"{where}: {name}: must be a list of relative paths (got {_shown(value)})")
-    for path in value:
-        _check_path(path, where, name)
-    return tuple(value)
-
-
-def _check_path(path, where: str, name: str) -> None:
-    if not isinstance(path, str) or not _relative(path):
-        raise UserError(f"{where}: {name}: path {path!r} must be relative and stay inside the working directory")
-
-
-def _no_file_inside_a_file(files: dict[str, str], where: str) -> None:
-    """Starting files that cannot all be made: ``a`` a file and ``a/b`` inside it, or one path twice."""
-    seen: dict[tuple[str, ...], str] = {}
-    for path in files:
-        parts = Path(path).parts
-        if parts in seen:
-            raise UserError(f"{where}: files: {seen[parts]!r} and {path!r} are the same path")
-        seen[parts] = path
-    for path in files:
-        if path.endswith("/"):
-            continue  # an empty directory: others may be inside it
-        parts = Path(path).parts
-        for other in files:
-            if other != path and Path(other).parts[:len(parts)] == parts:
-                raise UserError(f"{where}: files: {path!r} is a file, so {other!r} cannot be inside it")
-
-
-def _relative(path: str) -> bool:
-    parts = Path(path).parts
-    return bool(parts) and not Path(path).is_absolute() and ".." not in parts
