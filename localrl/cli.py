@@ -33,7 +33,8 @@ from localrl.commands.models import cmd_models
 from localrl.commands.plan import cmd_plan
 from localrl.commands.serving import cmd_agent, cmd_chat, cmd_serve
 from localrl.commands.train import cmd_sft, cmd_train
-from localrl.config import FIELDS, fields_help, flag_name, read_toml, split_overrides
+from localrl.config import FIELDS
+from localrl.config_io import fields_help, flag_name, read_toml, split_overrides
 from localrl.errors import UserError, out_of_space
 from localrl.heap import preload_allocator, return_freed_memory
 from localrl.serving.limits import RequestLimits
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="localrl", description="Local-first GRPO fine-tuning of small reasoning models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    # train and eval take config fields as flags (--field value), parsed by config.parse_overrides
+    # train and eval take config fields as flags (--field value), parsed by config_io.parse_overrides
     fields = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("train", help="fine-tune with GRPO (default: the built-in tiny model and task)",
                        formatter_class=fields, allow_abbrev=False, usage="localrl train [--config FILE.toml] "

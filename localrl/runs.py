@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from localrl.atomic import atomic_dir, write_text_atomic
-from localrl.config import FIELDS, TrainConfig, coerce, config_values, read_toml, to_toml
+from localrl.config import FIELDS, TrainConfig
+from localrl.config_io import coerce, config_values, read_toml, to_toml
 from localrl.errors import UserError, out_of_space
 from localrl.metrics import read_metrics
 

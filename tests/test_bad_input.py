@@ -613,7 +613,8 @@ def test_an_experience_library_that_is_not_utf8_is_one_line(audit_dir, capsys):
 def _fake_run(path: Path, steps: int = 8, **fields) -> Path:
     """A run directory as training leaves it: its config and ``steps`` train records (no checkpoint), whose reward
     jumps halfway (a curve whose fit overflows numpy's powers)."""
-    from localrl.config import TrainConfig, to_toml
+    from localrl.config import TrainConfig
+    from localrl.config_io import to_toml
 
     path.mkdir()
     (path / "config.toml").write_text(to_toml(TrainConfig(run_dir=str(path), steps=steps, **fields)))

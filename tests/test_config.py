@@ -2,7 +2,8 @@
 
 import pytest
 
-from localrl.config import TrainConfig, load_toml, to_toml
+from localrl.config import TrainConfig
+from localrl.config_io import load_toml, to_toml
 from localrl.errors import UserError
 from localrl.training.settings import build_config
 

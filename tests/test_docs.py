@@ -1,6 +1,6 @@
 """Every `localrl ...` command written in the README and docs/ parses as written: the command and its flags
 exist, config-field values have their field's type, choices are among the choices (argparse and
-config.split_overrides, as `localrl` itself reads a command line, without running it)."""
+config_io.split_overrides, as `localrl` itself reads a command line, without running it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from localrl.cli import FIELD_COMMANDS, _parse
-from localrl.config import split_overrides
+from localrl.config_io import split_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

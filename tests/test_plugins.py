@@ -428,7 +428,8 @@ def test_every_flag_and_toml_key_from_before_the_plugin_design_still_works(tmp_p
     import re
 
     from localrl.cli import main
-    from localrl.config import TrainConfig, flag_name, parse_overrides, read_toml
+    from localrl.config import TrainConfig
+    from localrl.config_io import flag_name, parse_overrides, read_toml
     from localrl.training.settings import build_config
 
     with pytest.raises(SystemExit):

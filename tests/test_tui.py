@@ -186,7 +186,8 @@ def test_attach_survives_every_record_of_runs_whose_kl_is_null(tmp_path, fields)
 def test_attach_survives_records_with_null_and_missing_fields(tmp_path):
     """Every record kind, with its optional fields null or left out, and lines that are no record at all: nothing
     in a metrics file kills the app."""
-    from localrl.config import TrainConfig, to_toml
+    from localrl.config import TrainConfig
+    from localrl.config_io import to_toml
     from localrl.runs import Run
 
     run_dir = tmp_path / "run"

@@ -25,7 +25,8 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, Label, ProgressBar, RichLog, Static
 
-from localrl.config import TrainConfig, flag_name, parse_overrides
+from localrl.config import TrainConfig
+from localrl.config_io import flag_name, parse_overrides
 from localrl.errors import UserError
 from localrl.metrics import eta_seconds, format_duration, parse_record
 from localrl.runs import Run, is_run
@@ -62,7 +63,7 @@ def _number(value) -> bool:
 def form_command(values: dict[str, str], flags: str) -> tuple[list[str], TrainConfig]:
     """(``localrl train`` arguments, the run config) for the form's fields followed by its extra
     flags (which win, as later flags do on the command line), checked as ``localrl train``
-    checks them (config.parse_overrides, then the trainer's preflight), before any weights load."""
+    checks them (config_io.parse_overrides, then the trainer's preflight), before any weights load."""
     from localrl.training.loop import preflight
     from localrl.training.settings import build_config
 

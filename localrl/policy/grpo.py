@@ -109,40 +109,15 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     with_entropy = select_tokens or bonus
     full = rollout  # the high-entropy threshold is of every completion token of the step
 
-    def entropy_threshold():
-        """This pass's entropy threshold and the count of tokens the entropy bonus averages over."""
-        whole_mask = full.trained_mask.to(device)
-        if not select_tokens:
-            return None, max(w.sum(whole_mask.sum().item())[0], 1)
-        with torch.no_grad(), forward(model, full, cfg.temperature, logits_chunk) as fwd:
-            entropies = torch.cat([fwd.logprobs(c, with_entropy=True)[1]
-                                   for c in row_slices(full.completion_ids.size(0), micro_batch)])
-        if w.distributed:  # the quantile of every rank's tokens
-            values = torch.tensor(sum(w.gather(entropies[whole_mask.bool()].tolist()), []), device=device)
-            threshold = high_entropy_threshold(values, torch.ones_like(values), cfg.top_entropy_quantile)
-        else:
-            threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
-        selected = high_entropy_mask(entropies, whole_mask, threshold).sum().item()
-        return threshold, max(w.sum(selected)[0], 1)
-
     if cfg.beta == 0 and not bonus:
         # Without a KL term, a completion with zero advantage (every one of a group that scored alike)
         # adds exactly nothing to the loss or its gradient: only the other groups are computed. With none
         # left the gradient is zero, and an optimizer step would still move the adapter along Adam's
         # momentum (seen to collapse a real model's answers over a few such steps): nothing is updated.
-        per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(dim=-1)
-        keep = per_row.view(-1, rollout.group_size).ne(0).any(dim=1)
-        if not w.any(bool(keep.any())):
+        kept = without_flat_groups(rollout, advantages, sampler_logp)
+        if kept is None:
             return {"loss": 0.0, "kl": None, "clip_frac": 0.0, **({} if contrast is None else {"contrastive": 0.0})}
-        if not keep.any():  # (distributed: other ranks have groups to learn from; this one adds zeros)
-            rollout, advantages = rollout.groups(keep), advantages[:0]
-        elif not keep.all():
-            rows = keep.repeat_interleave(rollout.group_size)
-            rollout, advantages = rollout.groups(keep), advantages[rows]
-            if advantages.dim() == 2:  # (the kept completions are trimmed to their longest)
-                advantages = advantages[:, :rollout.completion_ids.size(1)]
-            if sampler_logp is not None:
-                sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
+        rollout, advantages, sampler_logp = kept
     trained = rollout.completion_ids.size(0)
     chunks = row_slices(trained, micro_batch)
     mask = rollout.trained_mask.to(device)  # the tokens the loss covers (the model's own, in a multi-turn rollout)
@@ -181,7 +156,8 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     params = [p for p in model.parameters() if p.requires_grad]
     allreduce_s = 0.0
     for iteration in range(cfg.num_iterations):
-        threshold, entropy_tokens = entropy_threshold() if with_entropy else (None, 1)
+        threshold, entropy_tokens = (entropy_selection(model, full, forward, cfg, micro_batch, logits_chunk)
+                                     if with_entropy else (None, 1))
         weights = score_weights(iteration)
         optimizer.zero_grad(set_to_none=True)
         # leaving the forward's context finishes the prompt backward
@@ -224,3 +200,46 @@ def policy_update(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if cfg.beta == 0:
         totals["kl"] = None
     return totals
+
+
+def without_flat_groups(rollout: Rollout, advantages: torch.Tensor, sampler_logp: torch.Tensor | None
+                        ) -> tuple[Rollout, torch.Tensor, torch.Tensor | None] | None:
+    """The rollout, advantages and sampler log-probabilities without the groups whose advantages are all zero
+    (each completion's trimmed to the longest kept), or None when no rank has a group left to learn from."""
+    w = world()
+    per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(dim=-1)
+    keep = per_row.view(-1, rollout.group_size).ne(0).any(dim=1)
+    if not w.any(bool(keep.any())):
+        return None
+    if not keep.any():  # (distributed: other ranks have groups to learn from; this one adds zeros)
+        return rollout.groups(keep), advantages[:0], sampler_logp
+    if keep.all():
+        return rollout, advantages, sampler_logp
+    rows = keep.repeat_interleave(rollout.group_size)
+    rollout, advantages = rollout.groups(keep), advantages[rows]
+    if advantages.dim() == 2:  # (the kept completions are trimmed to their longest)
+        advantages = advantages[:, :rollout.completion_ids.size(1)]
+    if sampler_logp is not None:
+        sampler_logp = sampler_logp[rows, :rollout.completion_ids.size(1)]
+    return rollout, advantages, sampler_logp
+
+
+def entropy_selection(model, rollout: Rollout, forward, cfg: TrainConfig, micro_batch: int, logits_chunk: int
+                      ) -> tuple[torch.Tensor | None, int]:
+    """This pass's high-entropy threshold over every completion token of the step, every rank's (None when
+    top_entropy_quantile keeps them all), and the count of tokens the entropy bonus averages over."""
+    w = world()
+    device = next(model.parameters()).device
+    whole_mask = rollout.trained_mask.to(device)
+    if cfg.top_entropy_quantile >= 1:
+        return None, max(w.sum(whole_mask.sum().item())[0], 1)
+    with torch.no_grad(), forward(model, rollout, cfg.temperature, logits_chunk) as fwd:
+        entropies = torch.cat([fwd.logprobs(c, with_entropy=True)[1]
+                               for c in row_slices(rollout.completion_ids.size(0), micro_batch)])
+    if w.distributed:  # the quantile of every rank's tokens
+        values = torch.tensor(sum(w.gather(entropies[whole_mask.bool()].tolist()), []), device=device)
+        threshold = high_entropy_threshold(values, torch.ones_like(values), cfg.top_entropy_quantile)
+    else:
+        threshold = high_entropy_threshold(entropies, whole_mask, cfg.top_entropy_quantile)
+    selected = high_entropy_mask(entropies, whole_mask, threshold).sum().item()
+    return threshold, max(w.sum(selected)[0], 1)

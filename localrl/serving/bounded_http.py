@@ -18,7 +18,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from localrl.config import flag_name
+from localrl.config_io import flag_name
 from localrl.serving.limits import RequestLimits
 
 HEAD_END = b"\r\n\r\n"

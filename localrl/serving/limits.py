@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from localrl.config import flag_name
+from localrl.config_io import flag_name
 
 
 @dataclass(frozen=True)

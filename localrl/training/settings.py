@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from localrl.config import FIELDS, TrainConfig, check_fields, config_values, read_toml
+from localrl.config import FIELDS, TrainConfig, check_fields
+from localrl.config_io import config_values, read_toml
 from localrl.envs import environments
 from localrl.errors import UserError
 from localrl.objectives import objectives
