@@ -97,9 +97,9 @@ def check_capabilities(cfg: TrainConfig) -> None:
     sampler, objective = sampler_for(cfg), objectives.get(cfg.objective)
     for capability, why in getattr(sampler, "needs", {}).items():
         if not getattr(objective, capability, False):
-            name = next((n for n, s in samplers.items() if s is sampler), cfg.sampler)
             able = sorted(n for n, o in objectives.items() if getattr(o, capability, False))
-            raise UserError(f"config field objective: {cfg.objective} cannot train with sampler {name} ({why}; "
+            raise UserError(f"config field objective: {cfg.objective} cannot train with sampler "
+                            f"{samplers.selected(cfg)} ({why}; "
                             f"objectives that can: {', '.join(able) or 'none'})", field="objective")
 
 
