@@ -51,10 +51,10 @@ def test_truncated_episodes_can_be_left_out_of_the_loss(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_agent(tmp_path_factory):
-    """A fresh `localrl train --env shell` run of the built-in agent, as the README's default (30 steps of 8 tasks
-    x 8 episodes, seed 0), its held-out set 45 tasks instead of 100 to save time."""
+    """A fresh `localrl train --env shell` run of the built-in agent, half the README's default to save time (15
+    steps of 8 tasks x 8 episodes instead of 30, seed 0), its held-out set 45 tasks instead of 100."""
     run_dir = tmp_path_factory.mktemp("agent") / "run"
-    return train(agent_config(run_dir, steps=30, prompts_per_step=8, group_size=8, eval_size=45, save_every=100,
+    return train(agent_config(run_dir, steps=15, prompts_per_step=8, group_size=8, eval_size=45, save_every=100,
                               seed=0, env_workers=8), **QUIET)
 
 
@@ -62,11 +62,13 @@ def trained_agent(tmp_path_factory):
 def test_the_built_in_agent_learns_shell_tasks(trained_agent):
     result = trained_agent
     before, after = result.eval_before, result.eval_after
-    assert after["accuracy"] >= before["accuracy"] + 0.15, (before, after)  # measured here: 11.1% -> 75.6% (45 tasks)
+    assert after["accuracy"] >= before["accuracy"] + 0.15, (before, after)  # measured here: 11.1% -> 55.6% (45 tasks;
+    # 75.6% after 30 steps)
     assert set(after["families"]) == {"count", "files", "edit", "csv", "multi"}
     records = train_records(result.run_dir)
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
-    assert mean(records[-5:]) > mean(records[:5]) + 0.05  # measured here: 0.567 -> 0.772
+    mean = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)  # noqa: E731 (the episodes solved; the shaped
+    # reward_mean moves with each step's mix of families more than with learning)
+    assert mean(records[-5:]) > mean(records[:5]) + 0.08  # measured here: 35.3% -> 47.8% of the training episodes
 
 
 @pytest.mark.slow
@@ -92,7 +94,7 @@ def test_names_it_never_saw_are_read_as_well_as_names_it_trained_on(trained_agen
         sampler.setup = replace(setup, held_out=held_out_tasks(45, names=names))
         success[names] = sampler.evaluate(model, tok, stops=stop_token_ids(tok, model))["accuracy"]
     assert success["unseen"] == trained_agent.eval_after["accuracy"]  # the run's own figure is the unseen one
-    assert abs(success["seen"] - success["unseen"]) <= 0.15, success  # measured here: seen 80.0%, unseen 75.6%
+    assert abs(success["seen"] - success["unseen"]) <= 0.15, success  # measured here: seen 62.2%, unseen 55.6%
 
 
 @pytest.mark.slow

@@ -177,6 +177,7 @@ def test_bench_rollout_tiny(builtin_model):
     assert "ratios to torch 4-bit:" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_world_tiny():
     proc = bench("world", "--held-out", "3", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -213,6 +214,7 @@ def test_bench_distributed_tiny(builtin_model):
                      r"all-reduce \S+% of the 2-process step$", proc.stdout, re.M), proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_memory_tiny(builtin_model):
     """Each phase in a fresh process: the planner's prediction beside the measured peak of the whole process,
     under the budget."""

@@ -73,18 +73,19 @@ def test_the_length_reward_is_kimis_within_each_group():
 def test_the_curriculum_ends_with_shorter_completions_at_no_more_than_5_points_lower_accuracy(tmp_path):
     """tiny-arith-verbose ends half its pretraining traces with a redundant line; greedy, it always writes one.
     A budget shrinking from 64 to 32 tokens teaches it to drop the line: its held-out completions end shorter
-    than the constant-budget run's at no more than 5 points lower accuracy. 20 steps, half the default, to save
-    CI time: 30.4 against 31.8 tokens here (40 steps: 30.4 against 32.5; 30.4 against 30.9 on an AMX machine)."""
+    than the constant-budget run's at no more than 5 points lower accuracy. 12 steps, under a third of the default,
+    to save CI time: 30.4 against 31.8 tokens here (20 steps: the same; 40 steps: 30.4 against 32.5; 30.4 against
+    30.9 on an AMX machine)."""
     from localrl.config import TrainConfig
     from localrl.training.loop import train
 
     runs = {}
     for name, extra in (("constant", {}), ("linear", {"budget_schedule": "linear", "max_new_tokens_final": 32})):
-        cfg = TrainConfig(model="tiny-arith-verbose", steps=20, eval_size=100, run_dir=str(tmp_path / name), **extra)
+        cfg = TrainConfig(model="tiny-arith-verbose", steps=12, eval_size=100, run_dir=str(tmp_path / name), **extra)
         runs[name] = train(cfg, log=lambda *_: None)
     constant, linear = runs["constant"].eval_after, runs["linear"].eval_after
-    # measured (100 problems): 36.2 before; 31.8 constant against 30.4 linear, accuracy 100% and 99%; on an AMX
-    # machine, whose llama.cpp rollouts run other kernels (quant/runtime.py), the constant run dropped the line
-    # more often too (40 steps: 30.9 against 30.4)
+    # measured (100 problems): 36.2 before; 31.8 constant against 30.4 linear, accuracy 100% and 100% (99% after 20
+    # steps); on an AMX machine, whose llama.cpp rollouts run other kernels (quant/runtime.py), the constant run
+    # dropped the line more often too (40 steps: 30.9 against 30.4)
     assert runs["constant"].eval_before["completion_len"] > constant["completion_len"] > linear["completion_len"]
     assert linear["accuracy"] >= constant["accuracy"] - 0.05 and constant["accuracy"] > 0.9

@@ -80,6 +80,7 @@ def test_a_real_model_is_asked_for_a_confidence_only_in_a_calibration_run():
     assert "<confidence>" in CONFIDENCE_PROMPT
 
 
+@pytest.mark.slow
 def test_eval_reports_calibration_and_draws_the_reliability_diagram(tmp_path):
     """tiny-arith-conf states a confidence after every answer (drawn at random in pretraining); the ECE
     reported is the one its reliability bins give."""
@@ -97,6 +98,7 @@ def test_eval_reports_calibration_and_draws_the_reliability_diagram(tmp_path):
     assert "calibration: ECE" in text and "stated one" in text
 
 
+@pytest.mark.slow
 def test_bad_reliability_paths_fail_in_one_line_before_loading(tmp_path):
     for path, why in ((tmp_path / "x.txt", "must be a .png file"), (tmp_path / "no" / "x.png", f"no such directory {tmp_path / 'no'}")):
         out = localrl("eval", "--reliability", path)

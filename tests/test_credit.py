@@ -115,6 +115,7 @@ def _config(run_dir, **kw) -> TrainConfig:
                                "eval_size": 0, "save_every": 1, "seed": 3, "run_dir": str(run_dir), **kw})
 
 
+@pytest.mark.slow
 def test_a_turn_grpo_run_trains_and_resumes_exactly(tmp_path):
     full = train(_config(tmp_path / "full", steps=2), **QUIET)
     records = train_records(full.run_dir)

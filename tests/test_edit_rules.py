@@ -159,6 +159,7 @@ def test_the_agent_follows_the_persons_edits(tmp_path):
     assert "3" in messages[2]["content"]  # the output of what ran
 
 
+@pytest.mark.slow
 def test_agent_follow_edits_on_the_command_line(tmp_path):
     sessions = _sessions(tmp_path, "long-options", n=12)
     proc = localrl("agent", "tiny-shell", "How many lines are in a.txt?", "--workdir", str(tmp_path),

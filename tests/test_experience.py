@@ -155,6 +155,7 @@ def test_a_run_changes_no_weight_and_resumes_with_its_library(builtin_model, tmp
     assert train_records(part.run_dir) == records and load_library(part.run_dir) == library
 
 
+@pytest.mark.slow
 def test_the_lessons_reach_the_model_in_training_eval_and_chat(builtin_model, tmp_path):
     """A run started from a library gives its lessons to the model: tiny-arith, which never saw a system
     message, stops answering right with one (the lessons are in its prompt), in the run's evaluations, in

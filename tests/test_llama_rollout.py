@@ -43,6 +43,7 @@ def test_a_seed_gives_the_same_completions_and_another_seed_others(setup):
     assert max(map(len, groups)) > 1  # the sequences of a group are sampled apart
 
 
+@pytest.mark.slow
 def test_a_trained_adapter_as_a_gguf_lora_samples_as_the_merged_torch_policy(builtin_model, tmp_path):
     """llama.cpp with the base GGUF and the adapter written as a GGUF LoRA (attached, not merged)
     decodes greedily what torch decodes with the adapter merged."""

@@ -95,7 +95,7 @@ def test_bad_markovian_settings_are_one_line(kw, message):
 def test_the_markovian_mode_trains_with_reward_rising(builtin_model, tmp_path):
     from localrl.training.loop import train
 
-    cfg = small(tmp_path / "run", steps=24, prompts_per_step=8, group_size=8, max_new_tokens=64,
+    cfg = small(tmp_path / "run", steps=16, prompts_per_step=8, group_size=8, max_new_tokens=64,
                 markovian_chunk=16, markovian_carry=12, seed=0)
     train(cfg, **QUIET)
     records = train_records(tmp_path / "run")
@@ -105,4 +105,4 @@ def test_the_markovian_mode_trains_with_reward_rising(builtin_model, tmp_path):
     assert sum(r["chunks_per_trace"] for r in records) / len(records) > 2  # traces cross chunk boundaries
     early = sum(r["reward_mean"] for r in records[:8]) / 8
     late = sum(r["reward_mean"] for r in records[-8:]) / 8
-    assert late > early + 0.05, [round(r["reward_mean"], 3) for r in records]
+    assert late > early + 0.05, [round(r["reward_mean"], 3) for r in records]  # measured here: 0.342 -> 0.437

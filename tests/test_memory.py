@@ -170,6 +170,7 @@ print((inside - base) // 1024, grown // 1024, (rss() - base) // 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 def test_decoding_reuses_the_heap_and_hands_it_back_after():
     """Within reusing_heap (the sampler's decoding) freed 8 MiB blocks stay on the heap and are reused; on leaving,
@@ -244,6 +245,7 @@ print(next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.start
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists() or "[never]" in Path(
     "/sys/kernel/mm/transparent_hugepage/enabled").read_text(), reason="transparent huge pages off or unknown")
+@pytest.mark.slow
 def test_large_tensors_fault_in_on_huge_pages():
     """A large tensor faults in on 2 MiB pages once the heap is set up (512 times fewer page faults), and on
     4 KiB pages where it is not (unless the kernel makes huge pages always)."""
@@ -268,6 +270,7 @@ def test_shapes_have_their_published_parameter_counts():
         assert abs(model.num_parameters() / shape.published_params - 1) < 0.01, name
 
 
+@pytest.mark.slow
 def test_a_shape_is_a_model_directory_that_trains(tmp_path):
     """`localrl models shape` writes a loadable model whose tokenizer and sizes are the shape's."""
     out = tmp_path / "smol"

@@ -376,6 +376,7 @@ def test_localrl_eval_of_a_run_equals_the_runs_own_final_evaluation(builtin_mode
     assert own["n"] > 0 and {k: v for k, v in of_run.items() if k != "model"} == own
 
 
+@pytest.mark.slow
 def test_plugins_named_as_module_function_run_from_a_fresh_process(builtin_model, tmp_path):
     """As a user names their own code: ``--objective pkg.module:Class`` (its settings' flags included) and ``--env
     pkg.module:function`` (here this test module, importable from the repository root), in a new ``localrl``

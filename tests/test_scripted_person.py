@@ -55,6 +55,7 @@ def test_the_person_approves_the_allowed_form_and_edits_the_rest():
     assert person.ask("timeout 10 ls", "") == ("run", "timeout 10 ls") and person.ask("ls", "")[1] == "timeout 10 ls"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", RULES)
 def test_the_edit_keeps_what_every_built_in_tasks_commands_do(tmp_path, rule):
     """Every family and level, the expert's commands and the careless slip: run as written and as the person edits

@@ -89,6 +89,7 @@ def adapter(run_dir, step):
     return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_warm_start_resumes_exactly_and_grpo_starts_from_its_adapter(tmp_path):
     cfg = sft_config(tmp_path / "full", steps=3)
     assert (cfg.env, cfg.model, cfg.lr) == ("shell", "tiny-shell", 2e-3)  # the presets (lr: what the README measured)
@@ -112,6 +113,7 @@ def test_a_warm_start_resumes_exactly_and_grpo_starts_from_its_adapter(tmp_path)
     assert all((a[k] == c[k]).all() for k in a)
 
 
+@pytest.mark.slow
 def test_init_adapter_errors_are_one_line_before_anything_is_written(tmp_path):
     run = train(sft_config(tmp_path / "sft", steps=1, lora_rank=8, lora_alpha=16), **QUIET).run_dir
     cases = [

@@ -20,6 +20,7 @@ from localrl.errors import UserError
 CELLS = [(f, lv) for f in FAMILIES for lv in LEVELS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,level", CELLS)
 def test_every_expert_solution_scores_one_and_doing_nothing_does_not(family, level):
     tasks = [generate(seed, family, level) for seed in range(6)]
@@ -35,6 +36,7 @@ def test_every_expert_solution_scores_one_and_doing_nothing_does_not(family, lev
         env.close()
 
 
+@pytest.mark.slow
 def test_slips_are_plausible_and_mostly_wrong():
     tasks = [generate(seed, family, level) for seed in range(6) for family, level in CELLS]
     env = ShellEnv(task_list(tasks))

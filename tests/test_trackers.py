@@ -79,6 +79,7 @@ def test_tensorboard_and_trackio_get_every_record(builtin_model, tmp_path, monke
     assert config["report_to"] == "tensorboard,trackio" and config["steps"] == 3
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once(builtin_model, tmp_path):
     part = train(small(tmp_path / "run", steps=3, save_every=2, report_to="tensorboard"), **QUIET)
     # as after a crash between step 3's record and its checkpoint: step 3 is recomputed on resume

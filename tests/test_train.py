@@ -346,6 +346,7 @@ def test_truncated_completions_can_be_left_out_of_a_single_turn_loss(tmp_path):
     assert all((v == 0).all() for k, v in adapter.items() if "lora_B" in k)
 
 
+@pytest.mark.slow
 def test_a_run_with_less_free_memory_than_configured_plans_smaller_and_says_so(builtin_model, tmp_path, monkeypatch):
     """Without memory_budget the budget is the free memory: a step that does not fit it as configured is
     planned smaller (rollouts a few prompts at a time, the update in micro-batches), said in the run's first

@@ -140,6 +140,7 @@ def test_loss_and_gradient_equal_trls_with_left_padding_and_a_kl_term(builtin_mo
     assert _max_rel_err(without_kl, ours) > 1e-3 and _max_rel_err(unpadded, ours) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("prompt_cache", [True, False], ids=["prompt-cache", "concatenated"])
 def test_gradient_does_not_depend_on_the_micro_batch(builtin_model, loss_type, prompt_cache):

@@ -153,6 +153,7 @@ def test_attach_watches_a_run_started_elsewhere(tmp_path):
 
 @pytest.mark.parametrize("fields", [{"beta": 0.0}, {"env": "shell", "model": "tiny-shell", "max_new_tokens": 48}],
                          ids=["beta-0", "env-shell"])
+@pytest.mark.slow
 def test_attach_survives_every_record_of_runs_whose_kl_is_null(tmp_path, fields):
     """A --beta 0 run and an agent run write ``"kl": null`` in every step (and the agent run's evaluations
     count successes): the charts skip what is missing, and the app lives to show the whole run."""

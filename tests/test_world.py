@@ -71,6 +71,7 @@ def test_a_reply_out_of_the_format_or_leaving_the_directory_is_not_read(reply, w
         parse_answer(reply)
 
 
+@pytest.mark.slow
 def test_the_sandbox_as_world_model_plays_every_episode_as_the_real_shell_does():
     """The reference: the real shell answering in the world format gives each command's output and each episode's
     reward exactly as the shell environment does, expert and careless solutions alike."""
@@ -89,6 +90,7 @@ def test_the_sandbox_as_world_model_plays_every_episode_as_the_real_shell_does()
     assert 0 < sum(r == 1.0 for r in rewards) < len(rewards)  # the careless solutions fail some
 
 
+@pytest.mark.slow
 def test_fidelity_is_total_for_the_sandbox_and_low_for_a_world_where_nothing_happens():
     tasks = held_out_tasks(15)
     perfect = fidelity(SandboxWorld(), tasks)
