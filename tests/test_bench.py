@@ -84,26 +84,31 @@ def test_a_length_below_the_tokenizers_own_specials_is_a_user_error(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["export", "--quant", "q8_0", "--quant", "q4_k_m,q9"], "unknown quant type(s) q9; known: f32"),
-    (["export", "--prompt-len", "8"], "are for prompt-cache and grpo-step"),
-    (["export", "--model-size", "tiny"], "are for prompt-cache and grpo-step"),
-    (["prompt-cache", "--quant", "q8_0"], "--quant is for bench export"),
+    (["export", "--prompt-len", "8"], "bench export: --prompt-len is for bench prompt-cache, grpo-step, memory and "
+                                      "utilisation (see localrl bench export -h)"),
+    (["export", "--model-size", "tiny"], "bench export: --model-size is for bench prompt-cache, grpo-step and "
+                                         "utilisation"),
+    (["prompt-cache", "--quant", "q8_0"], "bench prompt-cache: --quant is for bench export"),
     (["prompt-cache", "--group", "1"], "shape P=1000 R=100 G=1: need P, R >= 1 and G >= 2"),
-    (["distributed", "--prompt-len", "8"], "bench distributed: takes --model, --prompts"),
+    (["distributed", "--prompt-len", "8"], "bench distributed: --prompt-len is for bench prompt-cache"),
     (["distributed", "--prompts", "0"], "bench distributed: need --prompts >= 1"),
     (["memory", "--group", "1"], "bench memory: need --group >= 2"),
-    (["memory", "--sessions", "5"], "bench memory: --rule, --sessions, --learn, --steps and --out are for bench "
-                                    "approvals"),
-    (["rollout", "--learn", "rl"], "bench rollout: --rule, --sessions, --learn, --steps and --out are for bench "
-                                   "approvals"),
-    (["memory", "--held-out", "5"], "bench memory: --held-out is for bench approvals and bench world"),
-    (["world", "--group", "4"], "bench world: takes --model and --held-out"),
+    (["memory", "--sessions", "5"], "bench memory: --sessions is for bench approvals"),
+    (["memory", "--budget", "5XB"], "bench memory: --budget is for --model"),
+    (["rollout", "--learn", "rl"], "bench rollout: --learn is for bench approvals"),
+    (["memory", "--held-out", "5"], "bench memory: --held-out is for bench approvals and world"),
+    (["world", "--group", "4"], "bench world: --group is for bench prompt-cache, grpo-step, rollout"),
     (["world", "--held-out", "0"], "bench world: need --held-out >= 1"),
-    (["approvals", "--group", "4"], "bench approvals: takes --model, --rule, --sessions"),
+    (["world", "--held-out", "x"], "bench world: argument --held-out: invalid int value: 'x'"),
+    (["approvals", "--group", "4"], "bench approvals: --group is for bench"),
     (["approvals", "--held-out", "0"], "bench approvals: need --sessions, --held-out and --steps >= 1"),
+    (["approvals", "--out", __file__], "bench approvals --out " + __file__ + ": not an empty directory"),
     (["memory", "--model", "tiny-arith", "--budget", "12XB"], "cannot read '12XB'"),
     (["utilisation", "--group", "1"], "bench utilisation: need --prompts, --prompt-len, --completion-len >= 1 and "
                                       "--group >= 2"),
-    (["utilisation", "--device", "cuda"], "bench utilisation: the CPU only"),
+    (["utilisation", "--device", "cuda"], "bench utilisation: --device is for bench prompt-cache and memory"),
+    (["grpo-step", "--repeats", "1", "--qunat", "x"], "bench grpo-step: unknown flag '--qunat' (see localrl bench "
+                                                      "grpo-step -h)"),
 ])
 def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert main(["bench", *argv]) == 2

@@ -118,11 +118,17 @@ def test_every_help_entry_says_what_it_means():
     """`eval -h` once listed field names without meanings; every flag of every command has a help text."""
     from localrl.cli import build_parser
 
+    import argparse
+
     parser = build_parser()
-    for name, sub in parser.commands.items():
+    commands = list(parser.commands.items())
+    for name, sub in commands:
         for action in sub._actions:
-            if action.option_strings and action.dest != "help":
+            if isinstance(action, argparse._SubParsersAction):  # bench NAME: each benchmark's own flags too
+                commands += [(f"{name} {inner}", p) for inner, p in action.choices.items()]
+            elif action.option_strings and action.dest != "help":
                 assert action.help, f"localrl {name} {action.option_strings[0]}: no help text"
+    assert "bench grpo-step" in dict(commands)
     eval_help = parser.commands["eval"].format_help()
     assert "--eval-size VALUE" in eval_help and "held-out problems" in eval_help
 

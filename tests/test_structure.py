@@ -224,8 +224,8 @@ NAME_EXCEPTIONS = {
     ("localrl/samplers/__init__.py", "completions"): "the default sampler, when no other claims a config",
     ("localrl/commands/train.py", "sft"): "`localrl sft` is the command that runs the sft objective",
     ("localrl/objectives/sft.py", "shell"): "its preset: the environment whose expert it learns from by default",
-    ("localrl/commands/bench.py", "world"): "`localrl bench world`: a benchmark's name",
-    ("localrl/commands/bench.py", "sft"): "`bench approvals --learn sft`: how that benchmark learns",
+    ("localrl/commands/bench/world_model.py", "world"): "`localrl bench world`: a benchmark's name",
+    ("localrl/commands/bench/approvals.py", "sft"): "`bench approvals --learn sft`: how that benchmark learns",
     ("localrl/evaluation/world_fidelity.py", "episodes"): "a column of its table (episodes played)",
     ("localrl/evaluation/analyze.py", "completions"): "a train record's count of completions",
     ("localrl/objectives/__init__.py", "completions"): "the train record's count of completions (step_record)",
@@ -247,7 +247,7 @@ def test_no_plugin_name_outside_its_own_file():
             if plugin.__module__.startswith("localrl.")}
     files = [ROOT / "localrl" / "training" / "loop.py", ROOT / "localrl" / "config.py", ROOT / "localrl" / "memory.py"]
     for folder in ("commands", "evaluation", "objectives", "samplers", "envs"):
-        files += sorted((ROOT / "localrl" / folder).glob("*.py"))
+        files += sorted((ROOT / "localrl" / folder).rglob("*.py"))
     found, used = [], set()
     for path in files:
         rel, source = path.relative_to(ROOT).as_posix(), path.read_text()

@@ -24,6 +24,29 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def config_fields(taken: list[str] | None, argv: list[str] = ()) -> list[str]:
+    """The config fields a command takes as flags: ``taken``, or (None) every field, the plug-ins' settings
+    included. Those are registered as a run's config is assembled (``localrl.training.settings``, imported only
+    here: it imports torch), a plug-in that ``argv`` or its --config file names as ``package.module:function``
+    first, so that its flags parse."""
+    from localrl.config import FIELDS
+    from localrl.config_io import read_toml, split_overrides
+    from localrl.training.settings import register_named
+
+    named, rest = split_overrides(list(argv), ["objective", "sampler", "env"])
+    config = next((rest[i + 1] if a == "--config" else a.partition("=")[2] for i, a in enumerate(rest)
+                   if (a == "--config" and i + 1 < len(rest)) or a.startswith("--config=")), None)
+    register_named({**(read_toml(config) if config else {}), **named})
+    return list(FIELDS) if taken is None else taken
+
+
+def plugins_help() -> str:
+    """The registered objectives, samplers and environments, a line each (``localrl train -h``)."""
+    from localrl.training.settings import plugins_help as listing
+
+    return listing()
+
+
 def main_rank() -> bool:
     """Whether this process speaks for the run: always, unless torchrun launched it as a rank other than 0."""
     return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"

@@ -12,6 +12,28 @@ from localrl.commands.progress import ProgressBar
 from localrl.errors import UserError
 
 
+def add_parser(commands) -> None:
+    """``localrl plot`` and ``localrl analyze``: their flags."""
+    p = commands.add_parser("plot", help="a run's learning curve as a PNG (reward and accuracy per step, held-out "
+                            "before and after)")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--out", default=None, help="PNG file (default: RUN_DIR/learning_curve.png)")
+    p.add_argument("--title", default=None, help="the chart's title (default: the run directory's name)")
+    p.set_defaults(func=cmd_plot)
+
+    p = commands.add_parser("analyze", help="fit ScaleRL's sigmoid (reward against compute) to runs: asymptote, "
+                            "exponent, midpoint with bootstrap intervals, the predicted end, one PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument("--metric", default="reward_mean", help="the per-step number to fit (reward_mean, accuracy, ...)")
+    p.add_argument("--compute", default="tokens", choices=["tokens", "steps", "seconds"],
+                   help="the compute axis: generated completion tokens, steps or wall-clock seconds")
+    p.add_argument("--out", default=None, help="the PNG with every run's points and fitted curve (default: "
+                   "scaling.png in the first run's directory)")
+    p.add_argument("--samples", type=int, default=200, help="bootstrap refits for the intervals")
+    p.add_argument("--json", action="store_true", help="also print the fits as JSON")
+    p.set_defaults(func=cmd_analyze)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from localrl.evaluation.plot import Curve, plot_run
     from localrl.objectives import objectives

@@ -9,6 +9,18 @@ from pathlib import Path
 from localrl.errors import UserError
 
 
+def add_parser(commands) -> None:
+    """``localrl baselines``: its flags."""
+    p = commands.add_parser("baselines", help="backprop-free agents against PPO, measured with confidence intervals")
+    p.add_argument("env", choices=["pong"], help="environment")
+    p.add_argument("--quick", action="store_true", help="a shorter run for laptops (under 10 minutes on 2 cores)")
+    p.add_argument("--out", default="baselines-pong", help="folder for results.md, results.json, learning_curves.png")
+    p.add_argument("--steps", type=int, default=None, help="training env steps per agent and seed")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per agent")
+    p.add_argument("--eval-points", type=int, default=None, help="evaluation points per agent and seed")
+    p.set_defaults(func=cmd_baselines)
+
+
 def cmd_baselines(args: argparse.Namespace) -> int:
     import torch
 

@@ -8,9 +8,34 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from localrl.commands import check_png_path, one_line, quiet_libraries
+from localrl.commands import check_png_path, config_fields, one_line, plugins_help, quiet_libraries
+from localrl.config_io import fields_help
 from localrl.commands.progress import ProgressBar
 from localrl.errors import UserError
+
+
+# the config fields `localrl eval` takes as flags (a run's own are read from it)
+EVAL_FIELDS = ["model", "data", "eval_data", "data_config", "data_split", "eval_split", "prompt_column",
+               "answer_column", "answer_format", "eval_size", "eval_batch_size", "reward", "reward_weights",
+               "format_weight", "calibration_weight", "system_prompt", "max_new_tokens", "quantize", "device", "env",
+               "env_tasks", "max_turns", "env_workers", "env_timeout", "isolation"]
+
+
+def add_parser(commands) -> None:
+    """``localrl eval``: its flags, and the config fields of EVAL_FIELDS as flags."""
+    p = commands.add_parser("eval", help="held-out greedy accuracy of a base model or a run's adapter",
+                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                            usage="localrl eval [RUN_DIR] [--json] [--FIELD VALUE ...]",
+                            epilog_of=lambda: plugins_help() + "\nconfig fields (as in training; a run's own are "
+                            "read from it):\n" + fields_help(config_fields(EVAL_FIELDS)))
+    p.add_argument("run", nargs="?", help="run directory (its latest checkpoint); omit to evaluate --model")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--experience", metavar="RUN_DIR|FILE", help="give the model this experience library's lessons "
+                   "(a training-free GRPO run, its experience.json, or a .txt of lessons, one a line); a run of "
+                   "objective experience uses its own")
+    p.add_argument("--reliability", metavar="PNG", help="draw the reliability diagram of the stated confidences "
+                   "(<confidence> tags) into this PNG")
+    p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace, overrides: dict) -> int:

@@ -10,6 +10,20 @@ from localrl.commands import replaceable_dir
 from localrl.errors import UserError
 
 
+def add_parser(commands) -> None:
+    """``localrl models``: its flags."""
+    p = commands.add_parser("models", help="built-in tiny models; random-weight models in published shapes")
+    p.add_argument("action", choices=["build", "list", "shape"],
+                   help="build a built-in model, list them, or write a random-weight model of a published shape")
+    p.add_argument("name", nargs="?", default="tiny-arith", help="built-in model name, or a shape (models list)")
+    p.add_argument("--out", help="output directory (build: default the built-in location; shape: required)")
+    p.add_argument("--tokenizer", help="shape: a model directory or tokenizer.json to copy the tokenizer from "
+                   "(default: the built-in one)")
+    p.add_argument("--seed", type=int, help="override the pretraining seed (shape: the weights' seed, default 0)")
+    p.add_argument("--steps", type=int, help="override the pretraining steps")
+    p.set_defaults(func=cmd_models)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from localrl.models import ROOT, builtin_names
 

@@ -9,6 +9,28 @@ from dataclasses import replace
 from localrl.errors import UserError
 
 
+def add_parser(commands) -> None:
+    """``localrl plan``: its flags."""
+    p = commands.add_parser("plan", help="predict a GRPO step's peak memory and choose micro-batches for a budget")
+    p.add_argument("--model", default="tiny-arith", help="model directory, config.json, or built-in name")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    p.add_argument("--prompt-len", type=int, required=True, help="prompt tokens (P)")
+    p.add_argument("--completion-len", type=int, required=True, help="completion tokens (R)")
+    p.add_argument("--budget", default="", help="memory budget, for example 12GB (empty: no limit)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the adapter (default 16)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "nf4", "none"],
+                   help="base weights, as in train (auto: nf4 on cuda, full precision on cpu unless memory needs nf4)")
+    p.add_argument("--no-4bit", action="store_true", help="the same as --quantize none")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="the device to plan for (default auto: this machine's: cuda if it has a GPU, else cpu); "
+                        "4-bit only on cuda")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="what the base computes in, as in train (auto: bfloat16 on cuda and on CPUs that multiply "
+                        "it natively, float32 on other CPUs)")
+    p.set_defaults(func=cmd_plan)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 

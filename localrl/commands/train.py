@@ -6,11 +6,29 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from localrl.commands import main_rank, quiet_libraries
+from localrl.commands import config_fields, main_rank, plugins_help, quiet_libraries
+from localrl.config_io import fields_help
 from localrl.commands.progress import ProgressBar
 
 if TYPE_CHECKING:
     from localrl.samplers import Measure
+
+
+def add_parser(commands) -> None:
+    """``localrl train`` and ``localrl sft``: both take every config field as a flag (``config_fields``)."""
+    for name, does, func in (("train", "fine-tune with GRPO (default: the built-in tiny model and task)", cmd_train),
+                             ("sft", "warm start an agent: fine-tune the adapter on the environment's expert "
+                              "episodes (then: localrl train --init-adapter RUN_DIR)", cmd_sft)):
+        epilog = (lambda: plugins_help() + "\nconfig fields, by group:\n" + fields_help(config_fields(None))) \
+            if name == "train" else None
+        p = commands.add_parser(name, help=does, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False, epilog_of=epilog,
+                                usage=f"localrl {name} [--config FILE.toml] [--resume RUN_DIR] [--FIELD VALUE ...]",
+                                epilog=None if epilog else "localrl train's config fields, with objective = sft, "
+                                "env = shell and lr = 5e-4 unless set")
+        p.add_argument("--config", help="TOML file of config fields (top level or a [train] table)")
+        p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+        p.set_defaults(func=func)
 
 
 def cmd_train(args: argparse.Namespace, overrides: dict) -> int:
