@@ -180,7 +180,7 @@ def tool_call(command: str) -> str:
 def run_planned_step(model, plan, prompt_len: int, completion_len: int, group: int = 8) -> tuple[int, int]:
     """Forward and backward of one synthetic group the way ``plan`` says (checkpointing, logits chunk,
     micro-batches); returns (measured peak bytes of the step, the plan's prediction for it)."""
-    from localrl.benchmarks.side_by_side import PeakMemory, synthetic_group
+    from localrl.benchmarks.harness import PeakMemory, synthetic_group
     from localrl.memory import ModelShape
     from localrl.policy.shared_prompt import SharedPromptForward, enable_checkpointing
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from localrl.benchmarks.side_by_side import exact_length_prompts
+from localrl.benchmarks.grpo_step import exact_length_prompts
 from localrl.cli import main
 from localrl.generation.rollout import encode_prompts
 from localrl.models.pretraining import build_tokenizer

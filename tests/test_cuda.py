@@ -35,7 +35,7 @@ def test_4bit_training_on_the_gpu_changes_the_adapter(builtin_model, tmp_path):
 @pytest.mark.parametrize("prompt_len, completion_len, budget_mb", [(2000, 128, 2048), (4000, 64, 1024)])
 def test_the_planner_predicts_the_gpu_peak(prompt_len, completion_len, budget_mb):
     """bf16 on CUDA: plan under a budget, run the step that way, compare with max_memory_allocated."""
-    from localrl.benchmarks.side_by_side import bench_model
+    from localrl.benchmarks.harness import bench_model
     from localrl.memory import ModelShape, plan_step
     from tests.helpers import run_planned_step
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from localrl.benchmarks.side_by_side import bench_model
+from localrl.benchmarks.harness import bench_model
 from localrl.errors import UserError
 from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
 from localrl.precision import resolve

@@ -99,7 +99,7 @@ def _measure(path: str, case: MemoryCase, device_name: str, queue) -> None:
 def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
     import torch
 
-    from localrl.benchmarks.side_by_side import PeakMemory
+    from localrl.benchmarks.harness import PeakMemory
     from localrl.config import TrainConfig
     from localrl.generation.rollout import group_generators, sample_groups, sample_in_chunks
     from localrl.heap import return_freed_memory

@@ -1,5 +1,5 @@
 """``localrl bench agent-step``: one multi-turn GRPO step on the shell environment, timed by part
-(localrl.benchmarks.side_by_side)."""
+(localrl.benchmarks.agent_step)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import bench_agent_step
+    from localrl.benchmarks.agent_step import bench_agent_step
 
     b, g = (d if v is None else v for v, d in zip((args.prompts, args.group), (2, 8)))
     if b < 1 or g < 2 or args.repeats < 1:

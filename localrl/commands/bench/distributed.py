@@ -1,5 +1,5 @@
 """``localrl bench distributed``: weak scaling of data-parallel training, whole ``localrl train`` runs under
-torchrun, 1 process and then 2 (localrl.benchmarks.side_by_side)."""
+torchrun, 1 process and then 2 (localrl.benchmarks.distributed)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import bench_distributed
+    from localrl.benchmarks.distributed import bench_distributed
 
     b, g, r = (d if v is None else v for v, d in zip((args.prompts, args.group, args.completion_len), (8, 8, 32)))
     if b < 1 or g < 2 or r < 1 or args.repeats < 1:

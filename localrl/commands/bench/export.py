@@ -1,6 +1,6 @@
 """``localrl bench export``: a model written to each GGUF quant type as ``localrl export`` writes it, validated in
 llama.cpp: each phase's seconds and each type's agreement with the full-precision model
-(localrl.benchmarks.side_by_side)."""
+(localrl.benchmarks.export)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import bench_export, export_quants
+    from localrl.benchmarks.export import bench_export, export_quants
 
     quants = [q.strip() for flag in args.quant for q in flag.split(",") if q.strip()] if args.quant else None
     quants = export_quants(quants)  # unknown names fail here, before anything runs

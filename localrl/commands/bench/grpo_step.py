@@ -1,5 +1,5 @@
 """``localrl bench grpo-step``: whole GRPO steps of localrl and of TRL's GRPOTrainer on the same model, side by
-side in one process (localrl.benchmarks.side_by_side)."""
+side in one process (localrl.benchmarks.grpo_step)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import MODEL_SHAPES, bench_grpo_step
+    from localrl.benchmarks.grpo_step import bench_grpo_step
+    from localrl.benchmarks.harness import MODEL_SHAPES
 
     p, r, g = (d if v is None else v for v, d in zip((args.prompt_len, args.completion_len, args.group),
                                                      (1000, 100, 8)))

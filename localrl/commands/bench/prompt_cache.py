@@ -1,5 +1,5 @@
 """``localrl bench prompt-cache``: the shared-prompt forward and backward against the concatenated one, same
-gradients; time and peak memory side by side (localrl.benchmarks.side_by_side)."""
+gradients; time and peak memory side by side (localrl.benchmarks.prompt_cache)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import MODEL_SHAPES, PROMPT_CACHE_SHAPES, bench_prompt_cache
+    from localrl.benchmarks.harness import MODEL_SHAPES
+    from localrl.benchmarks.prompt_cache import PROMPT_CACHE_SHAPES, bench_prompt_cache
     from localrl.modeling import pick_device
 
     given = (args.prompt_len, args.completion_len, args.group)

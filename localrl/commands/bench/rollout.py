@@ -1,5 +1,5 @@
 """``localrl bench rollout``: generated tokens per second of each rollout backend on the same prompts
-(localrl.benchmarks.side_by_side)."""
+(localrl.benchmarks.rollout)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrl.benchmarks.side_by_side import bench_rollout, real_model_gguf
+    from localrl.benchmarks.harness import real_model_gguf
+    from localrl.benchmarks.rollout import bench_rollout
 
     model = args.model or real_model_gguf()
     if model is None:
