@@ -301,16 +301,21 @@ def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
 
 
 @dataclass(frozen=True)
-class JudgeLoad:
-    """What training-free GRPO's judge adds to a run (objective experience): its weights, held all run (0 when
-    the policy judges itself), and each step its greedy replies to up to ``requests`` requests of up to
-    ``request_len`` tokens."""
+class DecodingPhase:
+    """A phase a plug-in adds to each step (its ``preflight`` declares it): greedy replies of a model of
+    ``shape`` to up to ``requests`` requests of up to ``request_len`` tokens, ``reply_len`` new tokens each,
+    always decoded by torch; ``weights``: what that model adds to the memory held all run (0 when it is the
+    policy). ``name`` is the phase's name in the plan; ``who`` says whose replies they are in the run's lines
+    ("the judge"), ``request`` what one request is ("request")."""
 
+    name: str
     shape: ModelShape
     weights: int
     requests: int
     request_len: int
     reply_len: int
+    who: str
+    request: str = "request"
 
 
 class MemoryBudget:
@@ -325,7 +330,8 @@ class MemoryBudget:
         rollout     the key/value caches of the prompts sampled at once, each with its G completions
         update      the planned micro-batches (plan_step)
         evaluation  the caches of the held-out prompts decoded at once (greedy, one completion each)
-        judging     (objective experience) the judge's caches for the requests it answers at once
+        a plug-in's own decoding phase (``DecodingPhase``: training-free GRPO's judge), its caches for the
+                    requests it answers at once
 
     The reference's log-probabilities (the adapter off) and the old policy's run without gradients through
     the update's micro-batches, so they never need more than the update; a checkpoint is the adapter's
@@ -336,8 +342,8 @@ class MemoryBudget:
     """
 
     def __init__(self, shape: ModelShape, cfg, device, in_4bit: bool, extra: int = 0, torch_decodes: bool = True,
-                 judge: JudgeLoad | None = None):
-        self.shape, self.cfg, self.in_4bit, self.judge = shape, cfg, in_4bit, judge
+                 phase: DecodingPhase | None = None):
+        self.shape, self.cfg, self.in_4bit, self.extra_phase = shape, cfg, in_4bit, phase
         self.torch_decodes = torch_decodes  # False: llama.cpp samples and evaluates (its memory is in ``extra``)
         self.dtype_bytes = dtype_bytes(device, cfg.compute_dtype)
         if cfg.memory_budget:
@@ -348,14 +354,14 @@ class MemoryBudget:
             self.source = "" if free is None else (f"{free / GIB:.2f} GiB free at start less {FREE_MARGIN:.0%}, "
                                                      f"as memory_budget is empty")
         self.longest_prompt = 0  # tokens (for_run sets it): what the run's phases are planned for
-        self.base = runtime_bytes(device) + extra + (judge.weights if judge else 0)  # held all run
+        self.base = runtime_bytes(device) + extra + (phase.weights if phase else 0)  # held all run
         self.held = self.base + static_bytes(shape, cfg.lora_rank, in_4bit, self.dtype_bytes)  # once it has loaded
 
     @classmethod
     def for_run(cls, cfg, shape: ModelShape, longest_prompt: int, device, in_4bit: bool,
-                extra: int = 0, torch_decodes: bool = True, judge: JudgeLoad | None = None) -> "MemoryBudget":
+                extra: int = 0, torch_decodes: bool = True, phase: DecodingPhase | None = None) -> "MemoryBudget":
         """The budget, checked phase by phase against the longest prompt, before any weights load."""
-        budget = cls(shape, cfg, device, in_4bit, extra, torch_decodes, judge)
+        budget = cls(shape, cfg, device, in_4bit, extra, torch_decodes, phase)
         budget.longest_prompt = longest_prompt
         budget.check(longest_prompt, cfg.max_new_tokens)
         return budget
@@ -380,15 +386,16 @@ class MemoryBudget:
             return self.held
         return self.held + decode_bytes(self.shape, prompts, group, prompt_len, completion_len, self.dtype_bytes)
 
-    def _judging(self, requests: int) -> int:
-        """The judge's decoding peak (the process's) with ``requests`` requests at once (always torch's)."""
-        j = self.judge
-        return self.held + decode_bytes(j.shape, requests, 1, j.request_len, j.reply_len, self.dtype_bytes)
+    def _extra_decoding(self, requests: int) -> int:
+        """The plug-in's decoding phase's peak (the process's) with ``requests`` requests at once."""
+        x = self.extra_phase
+        return self.held + decode_bytes(x.shape, requests, 1, x.request_len, x.reply_len, self.dtype_bytes)
 
-    def judge_requests(self) -> int:
-        """How many of a step's judge requests to decode at once: all, or the most whose caches fit."""
-        n = self.judge.requests
-        while n > 1 and self.limited and self._judging(n) > self.usable:
+    def extra_at_once(self) -> int:
+        """How many of a step's requests the plug-in's decoding phase decodes at once: all, or the most whose
+        caches fit."""
+        n = self.extra_phase.requests
+        while n > 1 and self.limited and self._extra_decoding(n) > self.usable:
             n = (n + 1) // 2
         return n
 
@@ -401,7 +408,7 @@ class MemoryBudget:
                 "rollout": self._decode(1, c.group_size, prompt_len, completion_len),
                 "update": self.base + smallest.peak_bytes,
                 **({"evaluation": self._decode(1, 1, prompt_len, completion_len)} if self._eval_prompts else {}),
-                **({"judging": self._judging(1)} if self.judge else {})}
+                **({self.extra_phase.name: self._extra_decoding(1)} if self.extra_phase else {})}
 
     def least_budget(self, prompt_len: int, completion_len: int) -> tuple[str, int]:
         """The phase that needs most at its smallest plan, and the least budget (bytes, margin included)
@@ -419,9 +426,11 @@ class MemoryBudget:
             return
         phase, need = self.least_budget(prompt_len, completion_len)
         c = self.cfg
+        x = self.extra_phase
         what = {"load": "loading the model", "rollout": f"sampling one prompt's {c.group_size} completions",
                 "update": "the update's smallest plan (one completion at a time, checkpointing on)",
-                "evaluation": "evaluating one held-out prompt", "judging": "the judge's reply to one request"}[phase]
+                "evaluation": "evaluating one held-out prompt",
+                **({x.name: f"{x.who}'s reply to one {x.request}"} if x else {})}[phase]
         named = self.cfg.memory_budget or f"a {self.bytes / GIB:.2f} GiB budget ({self.source})"
         raise UserError(f"config field memory_budget: {named} cannot hold {what} with prompts of up to "
                         f"{prompt_len} tokens and {completion_len} new tokens: that needs a budget of at least "
@@ -468,7 +477,7 @@ class MemoryBudget:
                 **({"evaluation": self._decode(evals, 1, prompt_len, completion_len)} if evals else {}),
                 "rollout": self._decode(at_once, c.group_size, prompt_len, completion_len),
                 "update": self.base + plan.peak_bytes,
-                **({"judging": self._judging(self.judge_requests())} if self.judge else {})}
+                **({self.extra_phase.name: self._extra_decoding(self.extra_at_once())} if self.extra_phase else {})}
 
     def describe(self, prompt_len: int, completion_len: int) -> list[str]:
         """The run's first lines about memory: the budget with each phase's predicted peak, then (only when
@@ -493,9 +502,10 @@ class MemoryBudget:
         if evals < self._eval_prompts:
             changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time "
                            f"(eval_batch_size {c.eval_batch_size})")
-        if self.judge and self.judge_requests() < self.judge.requests:
-            n = self.judge_requests()
-            changed.append(f"the judge {n} request{'s' * (n > 1)} at a time (of {self.judge.requests})")
+        x = self.extra_phase
+        if x and self.extra_at_once() < x.requests:
+            n = self.extra_at_once()
+            changed.append(f"{x.who} {n} {x.request}{'s' * (n > 1)} at a time (of {x.requests})")
         if changed:
             lines.append("memory: to fit the budget, " + "; ".join(changed))
         return lines if changed or c.memory_budget else []  # the free memory holds the run as configured: quiet
@@ -539,7 +549,7 @@ def available_bytes(device) -> int | None:
 
 
 def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
-                torch_decodes: bool = True, judge: JudgeLoad | None = None) -> tuple[bool, str]:
+                torch_decodes: bool = True, phase: DecodingPhase | None = None) -> tuple[bool, str]:
     """Whether the base loads in 4-bit NF4, and why in words. ``quantize = "auto"`` decides here: NF4 on a
     GPU (QLoRA); on a CPU full precision, since bitsandbytes dequantises every 4-bit weight at every
     decode step there (1.2-1.8x slower sampling in `localrl bench rollout` on a quiet 2-core machine, 11.7x
@@ -548,7 +558,7 @@ def choose_4bit(cfg, shape: ModelShape, prompt_len: int, device, extra: int = 0,
         return cfg.quantize == "nf4", f"quantize = {cfg.quantize}"
     if device.type == "cuda":
         return True, "4-bit NF4 base (QLoRA): a GPU, where it saves memory for little speed"
-    full = MemoryBudget(shape, cfg, device, False, extra, torch_decodes, judge)
+    full = MemoryBudget(shape, cfg, device, False, extra, torch_decodes, phase)
     if not full.fits(prompt_len, cfg.max_new_tokens):
         need = full.least_budget(prompt_len, cfg.max_new_tokens)[1]
         return True, (f"4-bit NF4 base: a CPU, but a full-precision run needs a {need / GIB:.2f} GiB budget and "

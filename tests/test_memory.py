@@ -341,7 +341,9 @@ def test_a_gguf_conversion_the_budget_cannot_hold_is_refused_before_it_starts(tm
 
 def test_the_experience_judge_is_planned_as_a_phase_of_its_own():
     from localrl.config import TrainConfig
-    from localrl.memory import JudgeLoad, MemoryBudget, frozen_bytes
+    from dataclasses import replace
+
+    from localrl.memory import DecodingPhase, MemoryBudget, frozen_bytes
 
     cpu, shape = torch.device("cpu"), ModelShape.from_config(QWEN25_1_5B)
     small = ModelShape.from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,  # SmolLM2
@@ -350,16 +352,16 @@ def test_the_experience_judge_is_planned_as_a_phase_of_its_own():
     cfg = TrainConfig(objective="experience", prompts_per_step=16, group_size=4, max_new_tokens=128,
                       memory_budget="4GB").validate()
     # a separate 1.5B judge in float32: its weights are held all run, its 16 requests of 1,500 tokens decoded
-    judge = JudgeLoad(shape, frozen_bytes(shape, False, cpu), 16, 1500, 96)
+    judge = DecodingPhase("judging", shape, frozen_bytes(shape, False, cpu), 16, 1500, 96, who="the judge")
     with pytest.raises(UserError, match="4GB cannot hold"):  # 6 GB of judge weights do not fit 4 GB
-        MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=judge)
+        MemoryBudget.for_run(cfg, small, 200, cpu, False, phase=judge)
     cfg = TrainConfig(objective="experience", prompts_per_step=16, group_size=4, max_new_tokens=128,
                       memory_budget="10GB").validate()
-    budget = MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=judge)
+    budget = MemoryBudget.for_run(cfg, small, 200, cpu, False, phase=judge)
     phases = budget.phases(200, 128)
     assert phases["judging"] > phases["rollout"] and budget.base >= 6 * GIB  # the judge's weights held
-    assert 1 <= budget.judge_requests() < 16  # its caches, 16 at once, do not fit beside them: fewer at a time
-    assert f"the judge {budget.judge_requests()} requests at a time (of 16)" in budget.describe(200, 128)[1]
+    assert 1 <= budget.extra_at_once() < 16  # its caches, 16 at once, do not fit beside them: fewer at a time
+    assert f"the judge {budget.extra_at_once()} requests at a time (of 16)" in budget.describe(200, 128)[1]
     # the policy as its own judge: no weights added, the same requests
-    itself = MemoryBudget.for_run(cfg, small, 200, cpu, False, judge=JudgeLoad(small, 0, 16, 1500, 96))
-    assert itself.base == MemoryBudget(small, cfg, cpu, False).base and itself.judge_requests() == 16
+    itself = MemoryBudget.for_run(cfg, small, 200, cpu, False, phase=replace(judge, shape=small, weights=0))
+    assert itself.base == MemoryBudget(small, cfg, cpu, False).base and itself.extra_at_once() == 16

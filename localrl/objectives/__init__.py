@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from localrl.config import TrainConfig
     from localrl.distributed import World
-    from localrl.memory import JudgeLoad, MemoryBudget
+    from localrl.memory import DecodingPhase, MemoryBudget
     from localrl.runs import Run
     from localrl.samplers import ModelInfo, Plan, Sampler
 
@@ -86,9 +86,10 @@ class Objective(ABC):
         context and the memory plan counts; 0: none."""
         return 0
 
-    def preflight(self, info: ModelInfo, sampler: Sampler, plan: Plan) -> tuple[str, JudgeLoad | None]:
+    def preflight(self, info: ModelInfo, sampler: Sampler, plan: Plan) -> tuple[str, DecodingPhase | None]:
         """Before weights load, after the sampler's preflight (``plan``): another model it needs (its resolved
-        path, "" for none) and that model's memory, which the run's plan then holds."""
+        path, "" for none) and a decoding phase of its own in each step (None: none), which the run's memory
+        plan then holds."""
         return "", None
 
     def setup(self, ctx: StepContext, state: dict) -> None:

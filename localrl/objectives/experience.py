@@ -128,7 +128,7 @@ class Experience(Objective):
         if self.endpoint is not None:
             self.judge = EndpointJudge(self.endpoint, cfg.experience_judge_tokens)
             return
-        at_once = ctx.budget.judge_requests()  # as many requests at a time as the memory budget holds
+        at_once = ctx.budget.extra_at_once()  # as many requests at a time as the memory budget holds
         if not ctx.extra_model_path:
             self.judge = Judge(ctx.model, ctx.tok, cfg.experience_judge_tokens,
                                getattr(ctx.model.config, "max_position_embeddings", None), at_once)

@@ -320,18 +320,19 @@ class EndpointJudge:
 
 
 def judge_load(cfg, tok, context: int | None, shape, weights: int, longest_prompt: int):
-    """The judge's share of a run's memory (``memory.JudgeLoad``): ``weights`` held all run (0: the policy judges
-    itself), and each step up to one request a prompt, each at most the request's template, the longest
-    prompt, two attempts and a full library (a lesson's characters counted as tokens), within the judge's
-    context."""
+    """The judge's share of a run's memory, a decoding phase of the objective's own (``memory.DecodingPhase``):
+    ``weights`` held all run (0: the policy judges itself), and each step up to one request a prompt, each at
+    most the request's template, the longest prompt, two attempts and a full library (a lesson's characters
+    counted as tokens), within the judge's context."""
     from localrl.generation.rollout import encode_prompts
-    from localrl.memory import JudgeLoad
+    from localrl.memory import DecodingPhase
 
     template = len(encode_prompts(tok, [{"prompt": judge_request("", "", "", "", ExperienceLibrary())}])[0])
     longest = template + longest_prompt + 2 * cfg.max_new_tokens + cfg.experience_size * MAX_LESSON_CHARS
     if context:
         longest = min(longest, context - cfg.experience_judge_tokens)
-    return JudgeLoad(shape, weights, cfg.prompts_per_step, longest, cfg.experience_judge_tokens)
+    return DecodingPhase("judging", shape, weights, cfg.prompts_per_step, longest, cfg.experience_judge_tokens,
+                         who="the judge")
 
 
 def check_judge_fits(tok, context: int | None, max_new_tokens: int, reply_tokens: int, where: str) -> None:

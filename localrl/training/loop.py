@@ -125,7 +125,7 @@ def preflight(cfg: TrainConfig, resume: bool = False,
                         f"model's context of {context} tokens", field="max_new_tokens")
     info = ModelInfo(path, config, tok, context, device)
     plan = sampler.prepare(info, objective.prompt_tokens(info))
-    extra_path, extra_model = objective.preflight(info, sampler, plan)
+    extra_path, extra_phase = objective.preflight(info, sampler, plan)
     shape = ModelShape.from_config(config)
     # the planner's step: the sampler's longest row, the objective's rows per prompt
     group = objective.rows_per_prompt or plan.rows_per_prompt or cfg.group_size
@@ -133,9 +133,9 @@ def preflight(cfg: TrainConfig, resume: bool = False,
         replace(cfg, max_new_tokens=plan.completion_tokens, group_size=group)
     decodes = plan.backend == "torch"
     in_4bit, why = choose_4bit(planned, shape, plan.longest_prompt, device, plan.extra_bytes, torch_decodes=decodes,
-                               judge=extra_model)
+                               phase=extra_phase)
     budget = MemoryBudget.for_run(planned, shape, plan.longest_prompt, device, in_4bit, plan.extra_bytes,
-                                  torch_decodes=decodes, judge=extra_model)
+                                  torch_decodes=decodes, phase=extra_phase)
     why_dtype = precision.resolve(cfg.compute_dtype, device)[1]
     return Preflight(objective, sampler, plan, device, budget, in_4bit, why, why_dtype, extra_path)
 
