@@ -26,6 +26,7 @@ The implicit rewards TRL logs are beta x each log-ratio.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -36,8 +37,6 @@ from localrl.generation.rollout import Rollout
 from localrl.policy.grpo import row_slices
 from localrl.policy.reference import Reference
 from localrl.policy.shared_prompt import ConcatForward, SharedPromptForward
-
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sft")
 
 
 def loss_terms(loss_type: str, loss_weights: str = "") -> list[tuple[str, float]]:
@@ -88,27 +87,59 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return total, stats
 
 
+# A pair loss: [B] the loss of each pair from its chosen and rejected log-ratios (policy less reference, summed over
+# each completion's tokens); beta, and by keyword label_smoothing and the completions' [B] token counts
+PairLoss = Callable[..., torch.Tensor]
+PAIR_LOSSES: dict[str, PairLoss] = {}  # by TRL's name (``loss_type``), in the order registered
+
+
+def pair_loss(name: str):
+    """Register a DPO pair loss under ``name`` (a decorator), as ``losses.policy_loss`` registers a policy loss."""
+    def register(fn: PairLoss) -> PairLoss:
+        if name in PAIR_LOSSES:
+            raise ValueError(f"DPO loss type {name} is registered twice")
+        PAIR_LOSSES[name] = fn
+        return fn
+    return register
+
+
+@pair_loss("sigmoid")
+def _sigmoid(chosen, rejected, beta, **_) -> torch.Tensor:
+    return -F.logsigmoid(beta * (chosen - rejected))
+
+
+@pair_loss("ipo")
+def _ipo(chosen, rejected, beta, chosen_tokens=None, rejected_tokens=None, **_) -> torch.Tensor:
+    if chosen_tokens is None or rejected_tokens is None:
+        raise ValueError("ipo normalises each log-ratio by its completion's length: give the token counts")
+    per_token = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+    return (per_token - 1 / (2 * beta)) ** 2
+
+
+@pair_loss("hinge")
+def _hinge(chosen, rejected, beta, **_) -> torch.Tensor:
+    return torch.relu(1 - beta * (chosen - rejected))
+
+
+@pair_loss("robust")
+def _robust(chosen, rejected, beta, label_smoothing=0.0, **_) -> torch.Tensor:
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"robust: label_smoothing must be in [0, 0.5) (got {label_smoothing})")
+    margin = beta * (chosen - rejected)
+    return (-(1 - label_smoothing) * F.logsigmoid(margin) + label_smoothing * F.logsigmoid(-margin)) / \
+        (1 - 2 * label_smoothing)
+
+
+DPO_LOSS_TYPES = (*PAIR_LOSSES, "sft")  # sft: the chosen completions' own likelihood, not a pair's
+
+
 def _pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, loss_type: str, label_smoothing: float,
                  chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None) -> torch.Tensor:
-    """[B] the loss of each pair from its chosen and rejected log-ratios."""
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * (chosen - rejected))
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * (chosen - rejected))
-    elif loss_type == "ipo":
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("ipo normalises each log-ratio by its completion's length: give the token counts")
-        per_token = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
-        losses = (per_token - 1 / (2 * beta)) ** 2
-    elif loss_type == "robust":
-        if not 0 <= label_smoothing < 0.5:
-            raise ValueError(f"robust: label_smoothing must be in [0, 0.5) (got {label_smoothing})")
-        margin = beta * (chosen - rejected)
-        losses = (-(1 - label_smoothing) * F.logsigmoid(margin) + label_smoothing * F.logsigmoid(-margin)) / \
-            (1 - 2 * label_smoothing)
-    else:
+    """[B] the loss of each pair by the registered pair loss ``loss_type``."""
+    if loss_type not in PAIR_LOSSES:
         raise ValueError(f"unknown DPO loss_type {loss_type!r}; use one of {', '.join(DPO_LOSS_TYPES)}")
-    return losses
+    return PAIR_LOSSES[loss_type](chosen, rejected, beta, label_smoothing=label_smoothing,
+                                  chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens)
 
 
 def preference_pairs(rollout: Rollout, rewards: torch.Tensor) -> tuple[Rollout | None, int]:
