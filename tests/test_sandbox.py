@@ -380,7 +380,6 @@ def test_proc_cannot_be_unmounted_to_see_the_host(tmp_path, level):
     assert (secret in result.output) is (level not in HIDES_PROCESSES), result.output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("user", USERS)
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_killing_its_watcher_leaves_nothing_running(tmp_path, level, user):
@@ -431,7 +430,6 @@ def test_a_fork_bomb_stops_at_the_process_cap(tmp_path, level, user):
         assert forked and forked[0] < 32, result.output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_memory_is_capped_for_all_processes_together(tmp_path, level):
     if not cgroups.available():
