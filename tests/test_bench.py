@@ -115,6 +115,7 @@ def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_grpo_step_without_trl_is_one_line(tmp_path):
     (tmp_path / "trl").mkdir()
     (tmp_path / "trl" / "__init__.py").write_text("raise ImportError('TRL is not installed')\n")

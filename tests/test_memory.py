@@ -136,6 +136,7 @@ print((rss() - base) // 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 def test_freed_tensors_leave_the_process():
     """Freed activations stay resident under glibc's adaptive mmap threshold, and leave with it fixed."""
@@ -225,6 +226,7 @@ print(kept // 1024, (rss() - base) // 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the wheel is Linux's")
 def test_on_mimalloc_a_phases_freed_pages_leave_at_its_edge():
     env = {k: v for k, v in os.environ.items() if k not in ("LOCALRL_ALLOCATOR", "LD_PRELOAD")}

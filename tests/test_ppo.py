@@ -109,6 +109,7 @@ def test_the_update_does_not_depend_on_the_micro_batch(builtin_model):
     assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_ppo_run_resumes_exactly(builtin_model, tmp_path):
     kw = dict(objective="ppo", save_every=1, num_ppo_epochs=2)
     full = train(small(tmp_path / "full", steps=3, **kw), **QUIET)

@@ -132,6 +132,7 @@ def test_init_adapter_errors_are_one_line_before_anything_is_written(tmp_path):
         assert not out.exists()
 
 
+@pytest.mark.slow
 def test_sft_needs_an_environment_and_tasks_with_solutions(tmp_path):
     with pytest.raises(UserError, match="sft learns from an environment's expert episodes: it needs env"):
         build_config(None, {"objective": "sft", "env": ""})

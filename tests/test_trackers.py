@@ -49,6 +49,7 @@ def test_flatten_keeps_numbers_under_the_metrics_file_names():
                                         "train/rewards/format": 0.25, "train/clipped": 1.0}
 
 
+@pytest.mark.slow
 def test_tensorboard_and_trackio_get_every_record(builtin_model, tmp_path, monkeypatch):
     from trackio.sqlite_storage import SQLiteStorage
 

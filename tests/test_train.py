@@ -236,6 +236,7 @@ def test_eval_shows_sample_completions_with_their_rewards(builtin_model):
     assert set(sample["rewards"]) == {"numeric_match", "format_reward"}
 
 
+@pytest.mark.slow
 def test_llama_cpp_rollouts_are_corrected_and_resume_like_an_uninterrupted_run(builtin_model, tmp_path):
     """The llama.cpp backend (auto on a CPU with llama-cpp-python): its samples are the torch policy's to
     within f16 rounding (importance weights near 1), a resumed run repeats an uninterrupted one, and its
@@ -304,6 +305,7 @@ def test_every_loss_type_trains_the_built_in_model(four_grpo_steps, tmp_path, lo
     assert mean(records[-3:]) > mean(records[:3]) + 0.05, [round(r["reward_mean"], 3) for r in records]
 
 
+@pytest.mark.slow
 def test_reference_sync_makes_the_kl_zero_right_after_it_and_resumes_exactly(builtin_model, tmp_path):
     import torch
 
@@ -323,6 +325,7 @@ def test_reference_sync_makes_the_kl_zero_right_after_it_and_resumes_exactly(bui
     assert train_records(tmp_path / "part") == records
 
 
+@pytest.mark.slow
 def test_adaptive_entropy_control_raises_its_coefficient_below_the_target_and_resumes_exactly(tmp_path):
     adaptive = {"use_adaptive_entropy": True, "entropy_target": 50.0, "entropy_coef_delta": 0.01,
                 "entropy_coef_max": 0.025, "save_every": 1}
