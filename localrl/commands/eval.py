@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from localrl.commands import check_png_path, config_fields, one_line, plugins_help, quiet_libraries
-from localrl.config_io import fields_help
 from localrl.commands.progress import ProgressBar
+from localrl.config_io import fields_help
 from localrl.errors import UserError
 
 

@@ -7,8 +7,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from localrl.commands import config_fields, main_rank, plugins_help, quiet_libraries
-from localrl.config_io import fields_help
 from localrl.commands.progress import ProgressBar
+from localrl.config_io import fields_help
 
 if TYPE_CHECKING:
     from localrl.samplers import Measure
