@@ -503,8 +503,7 @@ class MemoryBudget:
             changed.append(f"evaluation {evals} prompt{'s' * (evals > 1)} at a time "
                            f"(eval_batch_size {c.eval_batch_size})")
         x = self.extra_phase
-        if x and self.extra_at_once() < x.requests:
-            n = self.extra_at_once()
+        if x and (n := self.extra_at_once()) < x.requests:
             changed.append(f"{x.who} {n} {x.request}{'s' * (n > 1)} at a time (of {x.requests})")
         if changed:
             lines.append("memory: to fit the budget, " + "; ".join(changed))

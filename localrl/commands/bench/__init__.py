@@ -40,6 +40,12 @@ def size_flags(p: argparse.ArgumentParser, **defaults: str) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", help=f"{words[name]} (default {default})")
 
 
+def sizes(args: argparse.Namespace, **defaults: int) -> tuple[int, ...]:
+    """The sizes ``defaults`` names, as the flags give them or else their defaults (a 0 given stays 0, for the
+    benchmark's own checks)."""
+    return tuple(default if (v := getattr(args, name)) is None else v for name, default in defaults.items())
+
+
 def model_size_flag(p: argparse.ArgumentParser, tiny: str) -> None:
     p.add_argument("--model-size", default="full", choices=["full", "tiny"],
                    help=f"the benchmark's model, or {tiny} (a smoke test)")

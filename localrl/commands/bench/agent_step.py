@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags
+from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -22,7 +22,7 @@ def add_parser(benches) -> None:
 def run(args: argparse.Namespace) -> int:
     from localrl.benchmarks.agent_step import bench_agent_step
 
-    b, g = (d if v is None else v for v, d in zip((args.prompts, args.group), (2, 8)))
+    b, g = sizes(args, prompts=2, group=8)
     if b < 1 or g < 2 or args.repeats < 1:
         raise UserError("bench agent-step: need --prompts >= 1, --group >= 2 and --repeats >= 1")
     print(f"agent-step benchmark: one multi-turn GRPO step of {args.model} on the shell environment, {b} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags
+from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -22,7 +22,7 @@ def add_parser(benches) -> None:
 def run(args: argparse.Namespace) -> int:
     from localrl.benchmarks.distributed import bench_distributed
 
-    b, g, r = (d if v is None else v for v, d in zip((args.prompts, args.group, args.completion_len), (8, 8, 32)))
+    b, g, r = sizes(args, prompts=8, group=8, completion_len=32)
     if b < 1 or g < 2 or r < 1 or args.repeats < 1:
         raise UserError("bench distributed: need --prompts >= 1, --group >= 2, --completion-len >= 1 and "
                         "--repeats >= 1")

