@@ -23,7 +23,7 @@ from pathlib import Path
 
 from localrl.errors import UserError, out_of_space
 from localrl.memory import ModelShape, check_export, reset_resident_peak, resident_bytes
-from localrl.quant.gguf_check import CheckReport, check_gguf
+from localrl.quant.gguf_check import CheckReport, TorchReference, check_gguf
 from localrl.quant.gguf_writer import (LLAMA_CPP_TYPES, check_architecture, llama_cpp_quantize, pre_tokenizer_guess,
                                        vocab_kind, write_gguf)
 from localrl.quant.modelfile import modelfile_path, write_modelfile
@@ -156,6 +156,7 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
     params = sum(p.numel() for p in model.parameters())
     tmp = out.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{out.name}")
     report = None
+    reference = TorchReference(model, tok) if check else None  # the f16 file's check and the quantised one's
     try:
         if quant in LLAMA_CPP_TYPES:  # llama.cpp's quantizer, from an f16 file written (and checked) first
             f16 = out.with_name(f".tmp-f16-{uuid.uuid4().hex[:8]}-{out.name}")
@@ -165,7 +166,7 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
                 if check:  # the writer's own errors show at f16, before quantisation blurs them
                     phases.start("validate f16", "validating the f16 file in llama.cpp (tokenizer and logits "
                                                  "against torch)")
-                    f16_report = check_gguf(f16, model, tok, "f16")
+                    f16_report = check_gguf(f16, reference, "f16")
                     if not f16_report.passed:
                         log(f"not written: the f16 file that {quant} is quantised from failed validation "
                             f"in llama.cpp")
@@ -179,7 +180,7 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
             write_gguf(model.state_dict(), model.config, tok_dir, tok, tmp, quant, pre)
         if check:
             phases.start("validate", f"validating the {quant} file in llama.cpp (tokenizer and logits against torch)")
-        report = check_gguf(tmp, model, tok, quant) if check else None
+        report = check_gguf(tmp, reference, quant) if check else None
         if report is not None and not report.passed:
             log(f"not written: {out} failed validation in llama.cpp (--no-check writes it anyway)")
             return result(None, report)

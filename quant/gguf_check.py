@@ -140,32 +140,62 @@ def shared_prefix(ids: list[int], earlier: list[list[int]]) -> int:
     return max((common(ids, e) for e in earlier), default=0)
 
 
-def _torch_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """The reference's greedy continuation and the lead of each chosen token over the runner-up, decoded from
-    a key/value cache as llama.cpp decodes: one token's forward a step, not the whole sequence again (which
-    made validating a real-size export take hours)."""
-    from transformers import DynamicCache
+class TorchReference:
+    """The torch side of every check of files written from one model: the sample prompts, their logits, and
+    their greedy continuations, decoded once for the checks of an f16 file and of its quantisation, and only as
+    far as a check compares them (to torch's first near-tie). The logits are computed again for each check:
+    held for every prompt they would be eight [T, V] float arrays (some 240 MB for 50-token prompts at Qwen2.5's
+    151,936-token vocabulary), kept through quantisation."""
 
-    cache, out, leads = DynamicCache(), [], []
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-        for i in range(n):
-            top2 = logits.float().topk(2).values
-            out.append(int(logits.argmax()))
-            leads.append(float(top2[0] - top2[1]))
-            if i < n - 1:
-                logits = model(input_ids=torch.tensor([out[-1:]]), cache=cache, use_cache=True).logits[0, -1]
-    return out, leads
+    def __init__(self, model, tok, greedy_tokens: int = 12):
+        model.eval()
+        self.model, self.greedy_tokens = model, greedy_tokens
+        self.prompts = sample_prompts(tok)
+        self.sample_ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+        self._greedy: dict[int, tuple[list[int], list[float]]] = {}
+
+    def logits(self, i: int) -> np.ndarray:
+        """Prompt ``i``'s next-token logits at every position, [T, V]."""
+        with torch.no_grad():
+            return self.model(torch.tensor([self.prompts[i]])).logits[0].float().numpy()
+
+    def greedy_until_tie(self, i: int, tie: float) -> list[int]:
+        """Prompt ``i``'s greedy tokens before the first whose lead over the runner-up is under ``tie`` (at most
+        ``greedy_tokens``): after it, either engine's choice is right and the continuations part."""
+        out, leads = self._greedy.get(i, ([], []))
+        if before_near_tie(leads, tie) == len(leads) < self.greedy_tokens:  # decoded too short for this tie
+            out, leads = self._decode(self.prompts[i], tie)
+            self._greedy[i] = out, leads
+        return out[:before_near_tie(leads, tie)]
+
+    def _decode(self, ids: list[int], tie: float) -> tuple[list[int], list[float]]:
+        """Greedy tokens and the lead of each over the runner-up, up to and including the first near-tie, decoded
+        from a key/value cache as llama.cpp decodes: one token's forward a step, not the whole sequence again
+        (which made validating a real-size export take hours)."""
+        from transformers import DynamicCache
+
+        cache, out, leads = DynamicCache(), [], []
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+            while len(out) < self.greedy_tokens:
+                top2 = logits.float().topk(2).values
+                out.append(int(logits.argmax()))
+                leads.append(float(top2[0] - top2[1]))
+                if leads[-1] < tie or len(out) == self.greedy_tokens:
+                    break
+                logits = self.model(input_ids=torch.tensor([out[-1:]]), cache=cache, use_cache=True).logits[0, -1]
+        return out, leads
 
 
 def _llama_greedy(llm, ids: list[int], n: int) -> list[int]:
-    llm.reset()
-    llm.eval(ids)
     out = []
-    for _ in range(n):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        out.append(nxt)
-        llm.eval([nxt])
+    if n:
+        llm.reset()
+        llm.eval(ids)
+    for i in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        if i < n - 1:
+            llm.eval(out[-1:])
     return out
 
 
@@ -182,27 +212,24 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (log_p.exp() * (log_p - log_q)).sum(-1).numpy()
 
 
-def check_gguf(path: Path, model, tok, quant: str, greedy_tokens: int = 12) -> CheckReport:
-    """Compare the GGUF at ``path`` with ``model`` (torch, full precision, eval mode)."""
+def check_gguf(path: Path, reference: TorchReference, quant: str) -> CheckReport:
+    """Compare the GGUF at ``path`` with the torch model of ``reference`` (full precision)."""
     from localrl.quant.runtime import require_llama_cpp
 
     Llama = require_llama_cpp("validating a GGUF (--no-check skips it)").Llama
 
-    model.eval()
-    prompts = sample_prompts(tok)
+    prompts, greedy_tokens = reference.prompts, reference.greedy_tokens
     n_ctx = max(len(p) for p in prompts) + greedy_tokens + 8
     llm = Llama(model_path=str(path), n_ctx=max(n_ctx, 64), logits_all=True, verbose=False, n_threads=2, seed=0)
     try:
-        hf_ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
-        tokens_identical = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False, special=True) == hf_ids
+        tokens_identical = llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False, special=True) == reference.sample_ids
         agree, total, max_diff, greedy_identical, kl_sum = 0, 0, 0.0, True, 0.0
         decisive, decisive_agree, compared, rel_errors = 0, 0, 0, []
         for i, ids in enumerate(prompts):
             llm.reset()
             llm.eval(ids)
             theirs = np.asarray(llm.scores[:len(ids)], dtype=np.float32)  # [T, V]
-            with torch.no_grad():
-                ours = model(torch.tensor([ids])).logits[0].float().numpy()
+            ours = reference.logits(i)
             diff = np.abs(theirs - ours).max(-1)  # [T]
             fresh = slice(shared_prefix(ids, prompts[:i]), None)  # each distinct context judged once
             counts = top1_counts(ours[fresh], theirs[fresh], decisive_margin(quant))
@@ -211,10 +238,9 @@ def check_gguf(path: Path, model, tok, quant: str, greedy_tokens: int = 12) -> C
             total += len(ids[fresh])
             max_diff = max(max_diff, float(diff.max()))
             rel_errors.append((diff / (ours.max(-1) - ours.min(-1)))[fresh])
-            reference, leads = _torch_greedy(model, ids, greedy_tokens)
-            n = before_near_tie(leads, min(decisive_margin(quant), 2 * float(diff.max())))
-            compared += n
-            greedy_identical &= _llama_greedy(llm, ids, greedy_tokens)[:n] == reference[:n]
+            expected = reference.greedy_until_tie(i, min(decisive_margin(quant), 2 * float(diff.max())))
+            compared += len(expected)
+            greedy_identical &= _llama_greedy(llm, ids, len(expected)) == expected
     finally:
         llm.close()
     rel_errors = np.concatenate(rel_errors)

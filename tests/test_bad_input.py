@@ -107,6 +107,7 @@ def test_truncated_and_foreign_gguf_files_are_one_line(audit_dir, capsys, builti
 
     good = audit_dir / "m.gguf"
     export(builtin_model, good, "f16", check=False, log=lambda *_: None)
+    capsys.readouterr()  # (transformers' loading bar, where no command before this one turned it off)
     data = good.read_bytes()
     (audit_dir / "cut.gguf").write_bytes(data[: len(data) // 2])
     (audit_dir / "header.gguf").write_bytes(data[:200])
