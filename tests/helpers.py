@@ -106,6 +106,26 @@ def make_tiny_model(out: Path, arch: str, tie: bool = False, seed: int = 0, toke
 
 # -- the command line and runs ----------------------------------------------------------------
 
+def run_cli(capsys, *args) -> tuple[int, list[str]]:
+    """``localrl ARGS`` in this process: its exit status and the lines it wrote to stderr."""
+    from localrl.cli import main
+
+    capsys.readouterr()  # (what the test wrote before, e.g. transformers' loading bar: not this command's)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def one_line(capsys, *args) -> str:
+    """The one error line ``localrl ARGS`` stops with (exit status 2), in this process."""
+    code, err = run_cli(capsys, *args)
+    assert code == 2 and len(err) == 1 and err[0].startswith("localrl: error: "), err
+    return err[0]
+
+
 def localrl(*args, cwd=None, timeout=300, input=None) -> subprocess.CompletedProcess:
     """``python -m localrl ARGS`` as a user runs it."""
     return subprocess.run([sys.executable, "-m", "localrl", *map(str, args)], capture_output=True, text=True,

@@ -18,26 +18,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from localrl.cli import main
 from localrl.errors import UserError
 from localrl.runs import Run
 from localrl.training.loop import resume_config, train
-from tests.helpers import QUIET, small, train_records
-
-
-def run_cli(capsys, *args) -> tuple[int, list[str]]:
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    return code, err
-
-
-def one_line(capsys, *args) -> str:
-    code, err = run_cli(capsys, *args)
-    assert code == 2 and len(err) == 1 and err[0].startswith("localrl: error: "), err
-    return err[0]
+from tests.helpers import QUIET, one_line, run_cli, small, train_records
 
 
 @pytest.fixture
@@ -107,7 +91,6 @@ def test_truncated_and_foreign_gguf_files_are_one_line(audit_dir, capsys, builti
 
     good = audit_dir / "m.gguf"
     export(builtin_model, good, "f16", check=False, log=lambda *_: None)
-    capsys.readouterr()  # (transformers' loading bar, where no command before this one turned it off)
     data = good.read_bytes()
     (audit_dir / "cut.gguf").write_bytes(data[: len(data) // 2])
     (audit_dir / "header.gguf").write_bytes(data[:200])

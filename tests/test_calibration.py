@@ -13,7 +13,7 @@ from localrl.data.arithmetic import addition_check
 from localrl.data.calibration import (CONFIDENCE_PROMPT, brier_penalty, brier_score, calibration_summary,
                                        expected_calibration_error, reliability, stated_confidence)
 from localrl.data.rewards import combine, default_rewards, format_reward, numeric_match, score
-from tests.helpers import localrl
+from tests.helpers import localrl, one_line
 
 
 def test_a_stated_confidence_is_the_last_tag_holding_a_number_in_0_1():
@@ -98,12 +98,9 @@ def test_eval_reports_calibration_and_draws_the_reliability_diagram(tmp_path):
     assert "calibration: ECE" in text and "stated one" in text
 
 
-@pytest.mark.slow
-def test_bad_reliability_paths_fail_in_one_line_before_loading(tmp_path):
+def test_bad_reliability_paths_fail_in_one_line_before_loading(tmp_path, capsys):
     for path, why in ((tmp_path / "x.txt", "must be a .png file"), (tmp_path / "no" / "x.png", f"no such directory {tmp_path / 'no'}")):
-        out = localrl("eval", "--reliability", path)
-        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-            f"localrl: error: eval --reliability {path}: {why}"], out.stderr
+        assert one_line(capsys, "eval", "--reliability", path) == f"localrl: error: eval --reliability {path}: {why}"
 
 
 @pytest.mark.slow

@@ -38,18 +38,18 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, make_args, message):
 
 
 @pytest.mark.slow
-def test_eval_base_and_run(builtin_model, tmp_path):
-    base = localrl("eval", "--eval-size", "40", "--json")
-    assert base.returncode == 0, base.stderr
-    report = json.loads(base.stdout)
+def test_eval_base_and_run(builtin_model, tmp_path, capsys):
+    from localrl.cli import main
+
+    assert main(["eval", "--eval-size", "40", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["n"] == 40 and 0.1 <= report["accuracy"] <= 0.7
     run = tmp_path / "run"
-    trained = localrl("train", "--run-dir", str(run), "--steps", "1", "--eval-size", "0", "--prompts-per-step", "2",
-                      "--group-size", "2")
-    assert trained.returncode == 0, trained.stderr
-    after = localrl("eval", str(run), "--eval-size", "40", "--json")
-    assert after.returncode == 0, after.stderr
-    assert json.loads(after.stdout)["model"].endswith("(step-000001)")
+    assert main(["train", "--run-dir", str(run), "--steps", "1", "--eval-size", "0", "--prompts-per-step", "2",
+                 "--group-size", "2"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--eval-size", "40", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"].endswith("(step-000001)")
 
 
 def test_models_list_shows_the_builtin(builtin_model):

@@ -43,25 +43,6 @@ def test_a_gguf_loads_as_a_model_whose_tokenizer_matches_the_original_file(real_
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
 
 
-def test_one_grpo_step_changes_the_adapter(real_gguf, real_dir, tmp_path):
-    from safetensors.torch import load_file
-
-    from localrl.config import TrainConfig
-    from localrl.runs import Run
-    from localrl.training.loop import train
-    from tests.helpers import distinct_chars
-
-    cfg = TrainConfig(model=str(real_gguf), steps=1, prompts_per_step=2, group_size=2, max_new_tokens=16,
-                      eval_size=0, run_dir=str(tmp_path / "run")).validate()
-    lines = []
-    result = train(cfg, rewards=([distinct_chars], [1.0]), log=lines.append)
-    adapter = load_file(str(Run(result.run_dir).latest_checkpoint() / "adapter_model.safetensors"))
-    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
-    status = next(r for r in map(json.loads, Run(result.run_dir).metrics_path.read_text().splitlines())
-                  if r["kind"] == "status")
-    assert "full-precision base: a CPU" in status["message"]  # quantize=auto on a CPU
-
-
 @pytest.mark.parametrize("task", [["--prompts-per-step", "4", "--group-size", "4"],
                                   ["--env", "shell", "--prompts-per-step", "4", "--group-size", "4"],
                                   ["--sampler", "prefix_tree", "--prompts-per-step", "2", "--tree-prefixes", "2",
@@ -85,33 +66,22 @@ def test_a_step_of_the_real_model_stays_under_a_3gb_budget(real_gguf, tmp_path, 
     assert record["peak_mem_mb"] < 3 * 1024, record["peak_mem_mb"]
 
 
-def test_export_validates_and_tokenises_as_the_original_file(real_gguf, tmp_path):
-    from localrl.quant.export import export
-    from localrl.quant.gguf_import import read_gguf_pre
-
-    out = tmp_path / "smol.gguf"
-    result = export(real_gguf, out, "q8_0", log=lambda *_: None)
-    assert result.path == out and result.report.passed, result.report.describe()
-    assert read_gguf_pre(out) == read_gguf_pre(real_gguf) == "smollm"
-    texts = [MULTILINGUAL, "  42 apples", "x   123"]
-    assert llama_cpp_ids(out, texts) == llama_cpp_ids(real_gguf, texts)
-    modelfile = out.with_suffix(".Modelfile").read_text()
-    assert 'SYSTEM """You are a helpful AI assistant named SmolLM' in modelfile  # the model's default system turn
-
-
-def test_a_fine_tuned_real_model_exports_to_q8_0_and_passes_validation(real_gguf, tmp_path):
+def test_a_fine_tuned_real_model_exports_to_q8_0_passes_validation_and_tokenises_as_the_original_file(real_gguf,
+                                                                                                        tmp_path):
     """Two GRPO steps (seed 2: a run whose merged q8_0 file the gate used to fail on one token that led by 0.88
-    logits, counted once per sample prompt), the adapter merged onto the f32 base and exported."""
+    logits, counted once per sample prompt), the adapter merged onto the f32 base and exported; the file keeps
+    the original's pre-tokenizer and tokenises as it does. (The base exported as it is, with its Modelfile:
+    tests/test_ollama_export.py.)"""
     from safetensors.torch import load_file
 
+    from localrl.cli import main
     from localrl.quant.export import export
+    from localrl.quant.gguf_import import read_gguf_pre
     from localrl.runs import Run
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "localrl", "train", "--model", str(real_gguf), "--steps", "2",
-                           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48", "--eval-size",
-                           "0", "--seed", "2", "--run-dir", str(run)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["train", "--model", str(real_gguf), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+                 "--max-new-tokens", "48", "--eval-size", "0", "--seed", "2", "--run-dir", str(run)]) == 0
     adapter = load_file(str(Run(run).latest_checkpoint() / "adapter_model.safetensors"))
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # a model unlike the base
     lines = []
@@ -119,6 +89,9 @@ def test_a_fine_tuned_real_model_exports_to_q8_0_and_passes_validation(real_gguf
     assert result.path is not None and result.report.passed, "\n".join(map(str, lines))
     assert result.report.decisive_positions >= 20 and not result.report.notes  # judged on decisive positions
     assert "merged onto the full-precision (float32) base" in "\n".join(map(str, lines))
+    assert read_gguf_pre(result.path) == read_gguf_pre(real_gguf) == "smollm"
+    texts = [MULTILINGUAL, "  42 apples", "x   123"]
+    assert llama_cpp_ids(result.path, texts) == llama_cpp_ids(real_gguf, texts)
 
 
 def test_localrl_serve_answers_with_the_real_model(real_gguf):
@@ -191,14 +164,14 @@ def test_an_ollama_model_resolves_to_its_gguf_blob(real_gguf, tmp_path, monkeypa
 
 
 def test_a_warm_start_teaches_the_real_model_to_call_the_shell_tool(real_gguf, tmp_path):
-    """Before, SmolLM2-135M answers every held-out task in prose at once; after a few steps on expert episodes
-    its greedy episodes call the shell tool (measured here, 4 steps of 4 episodes: 0 -> 3.25 calls per episode,
-    2.5 of them valid)."""
+    """Before, SmolLM2-135M answers the held-out tasks in prose at once; after a few steps on expert episodes
+    its greedy episodes call the shell tool (measured here, 4 steps of 4 episodes, 2 held-out tasks: 0 -> 4
+    calls per episode, all valid; 4 tasks: 0 -> 4 as well)."""
     from localrl.training.loop import train
     from localrl.training.settings import build_config
 
     cfg = build_config(None, {"objective": "sft", "model": str(real_gguf), "steps": 4, "prompts_per_step": 4,
-                              "eval_size": 4, "run_dir": str(tmp_path / "run"), "save_every": 4})
+                              "eval_size": 2, "run_dir": str(tmp_path / "run"), "save_every": 4})
     result = train(cfg, log=lambda *_: None)
     before, after = result.eval_before, result.eval_after
     assert before["tool_calls"] == 0 and before["turns"] == 1.0, before
@@ -243,12 +216,12 @@ def test_lessons_from_a_judge_behind_an_endpoint_raise_the_real_models_accuracy(
 
     with ScriptedJudge(write_lessons) as judge:
         cfg = TrainConfig(model=str(real_gguf), objective="experience", experience_judge=f"{judge.url}|scripted-judge",
-                          steps=1, prompts_per_step=4, group_size=8, max_new_tokens=96, eval_size=40,
+                          steps=1, prompts_per_step=4, group_size=8, max_new_tokens=96, eval_size=24,
                           run_dir=str(tmp_path / "run"))
         result = train(cfg, log=lambda *_: None)
     assert list(load_library(result.run_dir).lessons.values()) == list(HAND_LESSONS)
     before, after = result.eval_before["accuracy"], result.eval_after["accuracy"]
-    assert after > before, (before, after)  # measured: 12.5% -> 17.5% of these 40
+    assert after > before, (before, after)  # measured: 12.5% -> 25.0% of these 24 (of 40: 12.5% -> 17.5%)
     adapter = load_file(str(result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
     assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)
 
@@ -271,7 +244,8 @@ def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
 
 def test_the_real_model_trains_on_a_gsm8k_shaped_parquet_file(real_gguf, tmp_path):
     """A TRL user's data as it is: a Parquet file with GSM8K's columns, read through --prompt-column and
-    --answer-format; a step of the real model on it, and its held-out rows evaluated."""
+    --answer-format; a step of the real model on it (its base in full precision: quantize=auto on a CPU), and its
+    held-out rows evaluated. (GRPO steps that change the real model's adapter: the fine-tuned export above.)"""
     pytest.importorskip("pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -290,3 +264,5 @@ def test_the_real_model_trains_on_a_gsm8k_shaped_parquet_file(real_gguf, tmp_pat
     assert [r["n"] for r in records if r["kind"] == "eval"] == [4, 4]
     step = next(r for r in records if r["kind"] == "train")
     assert step["step"] == 1 and step["completion_len"] > 0
+    status = next(r for r in records if r["kind"] == "status")
+    assert "full-precision base: a CPU" in status["message"]  # quantize=auto on a CPU
