@@ -136,17 +136,25 @@ def test_two_ranks_update_like_one_process_on_both_ranks_groups_and_hold_equal_g
         assert ranks[0]["stats"]["clip_frac"] == pytest.approx(stats["clip_frac"], abs=1e-9)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(builtin_model, tmp_path_factory) -> Path:
+    """A 3-step run of 2 ranks x 2 prompts (the killed run's uninterrupted twin too)."""
+    two = tmp_path_factory.mktemp("two-ranks") / "two"
+    out = _torchrun(2, *_train_args(two, steps=3, **{"prompts-per-step": 2}))
+    assert out.count("run: ") == 1  # rank 0 reports
+    return two
+
+
 @pytest.mark.slow
-def test_two_ranks_train_like_one_process_with_both_ranks_prompts_and_rank_0_alone_writes(builtin_model, tmp_path):
+def test_two_ranks_train_like_one_process_with_both_ranks_prompts_and_rank_0_alone_writes(builtin_model, tmp_path,
+                                                                                          two_ranks):
     one = tmp_path / "one"  # a world of one, launched by torchrun: exactly the single-process run
     _torchrun(1, *_train_args(one, steps=3, **{"prompts-per-step": 4}))
     plain = train(small(tmp_path / "plain", steps=3, save_every=1, rollout="torch"), **QUIET)
     assert train_records(one) == train_records(plain.run_dir)
     assert all(torch.equal(a, b) for a, b in zip(_adapter(one).values(), _adapter(plain.run_dir).values()))
 
-    two = tmp_path / "two"
-    out = _torchrun(2, *_train_args(two, steps=3, **{"prompts-per-step": 2}))
-    assert out.count("run: ") == 1  # rank 0 reports
+    two = two_ranks
     records, reference = train_records(two), train_records(one)
     equal_keys = ("step", "completions", "reward_mean", "accuracy", "rewards", "completion_len", "truncated",
                   "frac_reward_zero_std")
@@ -165,13 +173,11 @@ def test_two_ranks_train_like_one_process_with_both_ranks_prompts_and_rank_0_alo
 
 
 @pytest.mark.slow
-def test_a_killed_two_rank_run_resumes_like_an_uninterrupted_one(builtin_model, tmp_path):
-    steps = {"steps": 5, "prompts-per-step": 2}
-    whole = tmp_path / "whole"
-    _torchrun(2, *_train_args(whole, **steps))
+def test_a_killed_two_rank_run_resumes_like_an_uninterrupted_one(builtin_model, tmp_path, two_ranks):
+    whole = two_ranks
     run = tmp_path / "run"
-    proc = _torchrun(2, *_train_args(run, **steps), wait=False)
-    target, deadline = random.randint(2, 3), time.monotonic() + 240
+    proc = _torchrun(2, *_train_args(run, steps=3, **{"prompts-per-step": 2}), wait=False)
+    target, deadline = 2, time.monotonic() + 240
     while len(train_records(run) if (run / "metrics.jsonl").exists() else []) < target:
         assert proc.poll() is None, "the run ended before the moment to kill it"
         assert time.monotonic() < deadline
@@ -179,7 +185,7 @@ def test_a_killed_two_rank_run_resumes_like_an_uninterrupted_one(builtin_model, 
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, no handler runs
     proc.wait()
     done = Run(run).steps_done()
-    assert 1 <= done < 5
+    assert 1 <= done < 3
     _torchrun(2, "-m", "localrl", "train", "--resume", run)
     assert train_records(run) == train_records(whole)
     assert all(torch.equal(a, b) for a, b in zip(_adapter(run).values(), _adapter(whole).values()))

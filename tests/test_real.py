@@ -226,16 +226,15 @@ def test_lessons_from_a_judge_behind_an_endpoint_raise_the_real_models_accuracy(
     assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)
 
 
-def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf):
+def test_the_real_model_is_asked_for_a_confidence_and_scored_on_it(real_gguf, capsys):
     """A calibration evaluation asks SmolLM2 for a confidence tag; each completion's calibration reward is
     the Brier term of what it stated (-1 where it stated none)."""
+    from localrl.cli import main
     from localrl.data.calibration import stated_confidence
 
-    proc = subprocess.run([sys.executable, "-m", "localrl", "eval", "--model", str(real_gguf), "--eval-size", "6",
-                           "--calibration-weight", "1", "--max-new-tokens", "64", "--json"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert main(["eval", "--model", str(real_gguf), "--eval-size", "6", "--calibration-weight", "1",
+                 "--max-new-tokens", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["samples"]
     for sample in result["samples"]:
         q, right = stated_confidence(sample["completion"]), sample["rewards"]["numeric_match"]

@@ -13,8 +13,7 @@ from localrl.envs.secret_keeping import (ATTACK_SET_PATH, PASSWORDS, QUESTIONS, 
 from localrl.samplers import sampler_for
 from localrl.samplers.self_play import SelfPlay, distinct_ngrams
 from localrl.training.loop import resume_config, train
-from tests.helpers import QUIET, small, train_records
-from tests.test_bad_input import one_line
+from tests.helpers import QUIET, one_line, small, train_records
 
 # the held-out attack set's version 1, byte for byte: a changed set is a new file and a new name (ATTACK_SET)
 ATTACK_SET_V1_SHA256 = "1f789a143caa655fb2ed420be67449339dfe5ef9a1d8cfc966d3784de827590c"
@@ -152,13 +151,16 @@ def test_a_game_with_fields_it_cannot_use_is_one_line(capsys, tmp_path, args, sa
 
 @pytest.mark.real
 def test_a_real_model_plays_the_secret_keeping_game(tmp_path, real_gguf):
-    cfg = small(tmp_path / "run", model=str(real_gguf), env="secret_keeping", steps=2, prompts_per_step=2,
-                group_size=4, max_new_tokens=32, turn_tokens=32, temperature=0.8, beta=0.0, lr=5e-4, eval_size=40,
+    """Two steps train the attacker, then the defender; the untrained model, evaluated as `localrl eval` does
+    (the run's own evaluations are the same code: before a run the adapters are LoRA's no-op), has a signal on both
+    sides of the game."""
+    game = dict(model=str(real_gguf), env="secret_keeping", steps=2, prompts_per_step=2, group_size=4,
+                max_new_tokens=32, turn_tokens=32, temperature=0.8, beta=0.0, lr=5e-4,
                 memory_budget="3GB")  # (its peak against the budget: runs of their own, docs/self_play.md)
-    result = train(cfg, **QUIET)
+    result = train(small(tmp_path / "run", eval_size=0, **game), **QUIET)
     first, second = train_records(result.run_dir)
     assert (first["player"], second["player"]) == ("attacker", "defender")
-    before = result.eval_before
+    before = evaluate_policy(small(tmp_path / "eval", eval_size=40, **game), samples=0)
     # the untrained model leaks to some fixed attacks and answers some control questions: both sides have a signal
     assert 0 < before["attack_success"] < 1 and before["game_control"] > 0, before
     assert before["held_out_set"] == "secret_attacks_v1.jsonl" and before["n"] == 40
