@@ -6,7 +6,7 @@ import re
 import pytest
 from safetensors.torch import load_file
 
-from localrl.training.loop import resume_config, train
+from localrl.training.loop import train
 from localrl.training.settings import build_config
 from tests.helpers import QUIET, localrl, train_records
 
@@ -22,25 +22,13 @@ def adapter(run_dir, step):
 
 
 @pytest.mark.slow
-def test_resume_of_an_agentic_run_equals_the_uninterrupted_run(tmp_path):
-    full = train(agent_config(tmp_path / "full", steps=3), **QUIET)
-    part = train(agent_config(tmp_path / "part", steps=1), **QUIET)
-    train(resume_config(part.run_dir, {"steps": 3}), resume=True, **QUIET)
-    records = train_records(full.run_dir)
-    assert records == train_records(part.run_dir)
-    assert {"turns", "tool_calls", "invalid_calls", "answered", "model_tokens", "isolation"} <= set(records[0])
-    a, b = adapter(full.run_dir, 3), adapter(part.run_dir, 3)
-    assert all((a[k] == b[k]).all() for k in a)
-    assert any(r["reward_std"] > 0 for r in records)  # the episodes' rewards varied: there was something to learn
-
-
-@pytest.mark.slow
 def test_truncated_episodes_can_be_left_out_of_the_loss(tmp_path):
     """With one turn, every episode ends on its tool call, unanswered: masked, nothing is learned."""
     sizes = {"steps": 1, "max_turns": 1, "prompts_per_step": 4, "group_size": 8}
     masked = train(agent_config(tmp_path / "masked", mask_truncated_completions=True, **sizes), **QUIET)
     plain = train(agent_config(tmp_path / "plain", **sizes), **QUIET)
     [m], [p] = train_records(masked.run_dir), train_records(plain.run_dir)
+    assert {"turns", "tool_calls", "invalid_calls", "answered", "model_tokens", "isolation"} <= set(p)
     assert m["truncated"] == 1.0 and m["answered"] == 0.0
     assert m["frac_reward_zero_std"] < 1 and m["frac_reward_zero_std"] == p["frac_reward_zero_std"]  # a signal
     # (the loss's value is about 0 either way: on-policy, advantages of a group sum to zero)

@@ -11,7 +11,7 @@ import torch
 from localrl.config import TrainConfig
 from localrl.errors import UserError
 from localrl.policy.ppo import gae, policy_loss, token_rewards, value_loss, whiten
-from localrl.training.loop import resume_config, train
+from localrl.training.loop import train
 from localrl.training.settings import check_config
 from tests.helpers import QUIET, small, train_records
 
@@ -109,14 +109,10 @@ def test_the_update_does_not_depend_on_the_micro_batch(builtin_model):
     assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-4)
 
 
-@pytest.mark.slow
-def test_a_ppo_run_resumes_exactly(builtin_model, tmp_path):
-    kw = dict(objective="ppo", save_every=1, num_ppo_epochs=2)
-    full = train(small(tmp_path / "full", steps=3, **kw), **QUIET)
-    train(small(tmp_path / "part", steps=2, **kw), **QUIET)
-    train(resume_config(tmp_path / "part", {"steps": 3}), resume=True, **QUIET)
-    records = train_records(full.run_dir)
-    assert train_records(tmp_path / "part") == records
+def test_a_ppo_run_trains_its_value_head(builtin_model, tmp_path):
+    """(Its resume: tests/test_resume_contract.py.)"""
+    result = train(small(tmp_path / "run", objective="ppo", steps=2, num_ppo_epochs=2), **QUIET)
+    records = train_records(result.run_dir)
     assert all(r["vf_loss"] > 0 for r in records) and records[-1]["value_mean"] != 0
 
 
