@@ -66,6 +66,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    context: int | None = None  # the longest sequence it was trained for (max_position_embeddings), where known
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -75,7 +76,7 @@ class ModelShape:
                    kv_heads=get("num_key_value_heads") or heads,
                    head_dim=get("head_dim") or get("hidden_size") // heads,
                    intermediate=get("intermediate_size"), vocab=get("vocab_size"),
-                   tied=bool(get("tie_word_embeddings", False)))
+                   tied=bool(get("tie_word_embeddings", False)), context=get("max_position_embeddings"))
 
     @property
     def linear_params_per_layer(self) -> int:

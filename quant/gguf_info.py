@@ -157,7 +157,8 @@ def _sizes(header: GGUFHeader, arch: str) -> dict:
              "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
              "intermediate_size": get("feed_forward_length"),
              "vocab_size": get("vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens"),
-             "tie_word_embeddings": "output.weight" not in header.tensors}
+             "tie_word_embeddings": "output.weight" not in header.tensors,
+             "max_position_embeddings": get("context_length")}
     return {k: v for k, v in sizes.items() if v is not None}
 
 

@@ -142,6 +142,9 @@ def test_an_export_stopped_during_validation_puts_nothing_in_place(tmp_path, bui
 def test_plan_and_baselines_bad_numbers_are_one_line(audit_dir, capsys):
     assert "budget" in one_line(capsys, "plan", "--prompt-len", "10", "--completion-len", "10", "--budget", "1e999GB")
     assert "--group >= 2" in one_line(capsys, "plan", "--prompt-len", "10", "--completion-len", "10", "--group", "1")
+    assert one_line(capsys, "plan", "--prompt-len", "1000000000000", "--completion-len", "10") == (  # (53,599,476 GiB)
+        "localrl: error: plan: --prompt-len 1000000000000 and --completion-len 10 make 1000000000010 tokens; "
+        "tiny-arith holds 256")
     assert "--steps must be at least 1" in one_line(capsys, "baselines", "pong", "--steps", "0")
 
 
@@ -405,6 +408,9 @@ def test_models_build_never_replaces_what_is_not_a_built_model(audit_dir, capsys
     assert (audit_dir / "mine" / "keep.txt").read_text() == "my work\n"
     assert "is a file, not a directory" in one_line(capsys, "models", "build", "--out", "a-file", "--steps", "1")
     assert "--steps: must be at least 1" in one_line(capsys, "models", "build", "--out", "new", "--steps", "0")
+    for action in (["build", "--steps", "1"], ["shape", "qwen2.5-0.5b"]):  # (torch took -1 as 2**64 - 1)
+        assert one_line(capsys, "models", *action, "--out", "new", "--seed", "-1") == (
+            f"localrl: error: models {action[0]} --seed: must be from 0 to 2**64 - 1 (got -1)")
     assert not (audit_dir / "new").exists()
 
 

@@ -188,6 +188,8 @@ def test_bad_rows_are_one_line_naming_the_place(row, message):
                                                                             "one weight for each loss in loss_type"),
     ({"objective": "dpo", "loss_weights": "1,x"}, "config field loss_weights: must be comma-separated numbers"),
     ({"objective": "dpo", "loss_weights": "-1"}, "config field loss_weights: must be comma-separated numbers >= 0"),
+    ({"objective": "dpo", "loss_type": "sigmoid,sft", "loss_weights": "0,0"},
+     r"config field loss_weights: must weigh at least one loss above 0 \(with every weight 0 nothing trains\)"),
     ({"loss_weights": "1"}, "config field loss_weights: needs objective dpo"),
     ({"loss_type": "ipo"}, "config field loss_type: must be one of grpo, .* for objective grpo"),
     ({"objective": "dpo", "beta": 0}, "config field beta: objective dpo: must be positive"),

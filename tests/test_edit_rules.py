@@ -136,6 +136,9 @@ def test_bad_sessions_for_the_person_env_are_one_line(tmp_path):
               io.StringIO(), system=None, approvals=Approvals(work, store=tmp_path / "a.json"), log=log)
     with pytest.raises(UserError, match="edits teach no rule"):
         environment_for(TrainConfig(env="shell_person", person_sessions=str(log.directory)).validate())
+    (tmp_path / "five.jsonl").write_text('{"messages": [], "turns": 5}\n')  # (a TypeError in the rules' reader)
+    with pytest.raises(UserError, match=r"five.jsonl:1: a session's 'turns' must be a list"):
+        environment_for(TrainConfig(env="shell_person", person_sessions=str(tmp_path / "five.jsonl")).validate())
 
 
 def test_the_agent_follows_the_persons_edits(tmp_path):

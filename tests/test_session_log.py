@@ -127,6 +127,9 @@ def test_sessions_are_preference_pairs_edits_and_approvals_at_one_state(tmp_path
 
     with pytest.raises(UserError, match="s:4: a turn's 'message' must index one of the model's replies"):
         session_pairs([("s:4", {**edit, "turns": [{"message": 0, "decision": "edited"}]})])
+    strings = {**edit, "messages": [str(m) for m in edit["messages"]]}  # (an AttributeError)
+    with pytest.raises(UserError, match="s:5: a turn's 'message' must index one of the model's replies"):
+        session_pairs([("s:5", strings)])
 
 
 @pytest.mark.slow

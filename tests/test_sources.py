@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,56 @@ def test_every_format_gives_the_same_rows(sources):
     assert [r["prompt"] for r in held.held_out] == [r["prompt"] for r in expected[50:]] and len(held.rows) == 50
 
 
+def test_held_out_rows_are_never_training_rows_and_a_split_a_file_lacks_is_one_line(sources):
+    """Of every source kind, the held-out rows and the training rows are apart (a file: a seeded tenth set aside; a
+    save_to_disk directory: its test split). A file's "test split", config or other split was ignored, and held out
+    rows it trained on: each is one line naming the field."""
+    for name, source in sources.items():
+        eval_split = "test" if name == "save_to_disk" else ""
+        task = load_task(source, eval_size=100, columns=Columns(**{**GSM8K.__dict__, "eval_split": eval_split}))
+        held, trained = {r["prompt"] for r in task.held_out}, {r["prompt"] for r in task.rows}
+        assert held and trained and not held & trained, name
+    cases = [({"eval_split": "test"}, "config field eval_split: data {jsonl} is a file, which has no splits: give its "
+                                      "held-out rows as --eval-data FILE"),
+             ({"split": "test"}, "config field data_split: data {jsonl} is a file, which has no splits"),
+             ({"config": "main"}, "config field data_config: data {jsonl} is a file, which has no configs")]
+    for fields, message in cases:
+        with pytest.raises(UserError) as e:
+            load_task(sources["jsonl"], columns=Columns(**{**GSM8K.__dict__, **fields}))
+        assert str(e.value).startswith(message.format(**sources)), str(e.value)
+    with pytest.raises(UserError, match="config field eval_split: eval_data .*rows.csv is a file, which has no"):
+        load_task(sources["save_to_disk"], sources["csv"], columns=Columns(**{**GSM8K.__dict__, "eval_split": "test"}))
+    with pytest.raises(UserError, match="config field eval_split: data arith is a built-in task, which has no"):
+        load_task("arith", columns=Columns(eval_split="test"))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([{"role": "wizard", "content": "2 + 2?"}], "'prompt' message 0: role 'wizard' is none of system, developer, user"),
+    ([{"role": "system", "content": "Answer."}], "'prompt' has no user message (nothing is asked)"),
+])
+def test_a_conversation_a_chat_template_cannot_ask_is_one_line(tmp_path, prompt, message):
+    """(Both trained: the template rendered the wizard's turn as it could, and a lone system message asked nothing.)"""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}) + "\n"
+                    + json.dumps({"prompt": prompt, "answer": "4"}) + "\n")
+    with pytest.raises(UserError, match="^" + re.escape(f"{data}:2: {message}")):
+        load_task(str(data))
+
+
+def test_a_damaged_save_to_disk_directory_is_one_line(sources, tmp_path):
+    """(A JSONDecodeError and an ArrowInvalid or OSError traceback.)"""
+    state, cut = tmp_path / "state", tmp_path / "cut"
+    for d in (state, cut):
+        shutil.copytree(sources["save_to_disk"], d)
+    (state / "train" / "state.json").write_text("{broken")
+    arrow = Path(glob.glob(str(cut / "train" / "*.arrow"))[0])
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    for d, why in ((state, "JSONDecodeError: Expecting property name"), (cut, "(ArrowInvalid|OSError): ")):
+        with pytest.raises(UserError, match="^" + re.escape(f"data {d}: a save_to_disk directory that cannot be "
+                                                            f"read (") + why):  # (where it is cut: either)
+            read_rows(str(d), GSM8K)
+
+
 def test_a_cached_hub_id_reads_offline(hub_cache, monkeypatch):
     import datasets.config
 
@@ -109,6 +160,7 @@ def test_a_cached_hub_id_reads_offline(hub_cache, monkeypatch):
     ({"data_split": "validation"}, "no split 'validation' (splits: train, test); set --data-split"),
     ({"answer_format": "last-number", "answer_column": "question"}, None),  # every question holds a number: fine
     ({"answer_format": r"regex:Z(\d+)"}, ":row 1: answer format regex:Z(\\d+) finds no answer"),
+    ({"answer_format": r"regex:(\d*)"}, ":row 1: answer format regex:(\\d*) finds no answer"),  # (it found '' in each)
 ])
 def test_bad_columns_and_splits_are_one_line(sources, overrides, message):
     cfg = build_config(None, {"data": sources["save_to_disk"], "prompt_column": "question",

@@ -13,7 +13,7 @@ from localrl.metrics import read_metrics
 from localrl.runs import Run
 from localrl.trackers import Tracker, check_report_to, flatten, trackers
 from localrl.training.loop import resume_config, train
-from tests.helpers import QUIET, small
+from tests.helpers import QUIET, one_line, small
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("trackio")
@@ -108,6 +108,13 @@ def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra():
     with pytest.raises(UserError, match="'none' cannot be combined"):
         check_report_to("none,tensorboard")
     check_report_to("none")
+
+
+def test_a_tracker_named_twice_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """(It wrote two TensorBoard event files of the same records.)"""
+    line = one_line(capsys, "train", "--report-to", "tensorboard, trackio,tensorboard", "--run-dir", tmp_path / "run")
+    assert line == "localrl: error: config field report_to: tensorboard named twice (each tracker gets the records once)"
+    assert not (tmp_path / "run").exists()
 
 
 def test_report_to_is_checked_before_the_run_directory_is_made(builtin_model, tmp_path):

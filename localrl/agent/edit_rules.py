@@ -159,7 +159,10 @@ class EditRules:
                             f"--record writes, or such a file)")
         decisions = []
         for where, record in json_objects(path, "sessions"):
-            for turn in record.get("turns") or []:
+            turns = record.get("turns") or []
+            if not isinstance(turns, list):
+                raise UserError(f"{where}: a session's 'turns' must be a list (not a session log?)")
+            for turn in turns:
                 if not isinstance(turn, dict) or not isinstance(turn.get("proposed"), str):
                     raise UserError(f"{where}: a turn without the command it 'proposed' (not a session log?)")
                 if turn.get("decision") == "approved":

@@ -27,6 +27,9 @@ def add_parser(commands) -> None:
 def cmd_models(args: argparse.Namespace) -> int:
     from localrl.models import ROOT, builtin_names
 
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # (torch takes -1 as 2**64 - 1: two names, one seed)
+        raise UserError(f"models {args.action} --seed: must be from 0 to 2**64 - 1 (got {args.seed})")
+
     if args.action == "list":
         for name in builtin_names():
             built = (ROOT / name / "config.json").is_file()

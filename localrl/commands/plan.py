@@ -43,6 +43,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.budget:
         parse_bytes(args.budget, "budget", "plan: --budget")
     shape = read_shape(args.model)
+    if shape.context and args.prompt_len + args.completion_len > shape.context:
+        raise UserError(f"plan: --prompt-len {args.prompt_len} and --completion-len {args.completion_len} make "
+                        f"{args.prompt_len + args.completion_len} tokens; {args.model} holds {shape.context}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype, why_dtype = resolve(args.compute_dtype, torch.device(device))
     dtype_bytes = dtype.itemsize

@@ -22,7 +22,7 @@ from typing import Callable
 from localrl.config import BUILTIN_TASKS
 from localrl.data import arithmetic, drafts, word_problems
 from localrl.data.calibration import CONFIDENCE_PROMPT
-from localrl.data.sources import Columns, is_missing, read_rows
+from localrl.data.sources import Columns, is_file_source, is_missing, read_rows
 from localrl.errors import UserError
 from localrl.models import builtin_path
 
@@ -102,6 +102,7 @@ def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: R
     UserError. ``data`` is a built-in task, a file, a ``save_to_disk`` directory or a cached hub id
     (``localrl.data.sources``), its rows read through ``columns``; ``eval_data`` the same, for held-out rows."""
     held_source, held_columns = eval_data or data, replace(columns, split=columns.eval_split or columns.split)
+    check_splits(data, eval_data, columns)
     held_out = (lambda: read_rows(held_source, held_columns, check_row, "eval_data")[:eval_size]) \
         if eval_data or columns.eval_split else None
     if data in GENERATORS:
@@ -120,6 +121,25 @@ def load_task(data: str, eval_data: str = "", eval_size: int = 200, check_row: R
         return Task(data, rows, held_out(), system)
     held, train = held_out_split(rows, eval_size)
     return Task(data, train, held, system)
+
+
+def check_splits(data: str, eval_data: str, columns: Columns) -> None:
+    """A file or a built-in task has no configs or splits: a flag that names one is refused, not ignored (the
+    held-out rows of a file's "test split" were its own rows, trained on too)."""
+    def kind(source: str) -> str | None:
+        return "a built-in task" if source in GENERATORS else "a file" if is_file_source(source) else None
+
+    if kind(data) and columns.config:
+        raise UserError(f"config field data_config: data {data} is {kind(data)}, which has no configs (a dataset's "
+                        f"name, for a hub id or a save_to_disk directory)", field="data_config")
+    if kind(data) and columns.split != "train":
+        raise UserError(f"config field data_split: data {data} is {kind(data)}, which has no splits",
+                        field="data_split")
+    held, field = (eval_data, "eval_data") if eval_data else (data, "data")
+    if kind(held) and columns.eval_split:
+        raise UserError(f"config field eval_split: {field} {held} is {kind(held)}, which has no splits: give its "
+                        f"held-out rows as --eval-data FILE, or leave eval_split empty (a seeded tenth of the rows "
+                        f"held out, never trained on)", field="eval_split")
 
 
 def held_out_split(rows: list, eval_size: int) -> tuple[list, list]:

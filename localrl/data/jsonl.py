@@ -10,16 +10,25 @@ from typing import Iterator
 from localrl.errors import UserError
 
 
+PROMPT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat templates' (OpenAI's) roles
+
+
 def check_prompt(prompt, where: str, column: str = "prompt") -> None:
-    """A prompt is a non-empty string or a conversation (a non-empty list of {role, content} messages)."""
+    """A prompt is a non-empty string or a conversation (a non-empty list of {role, content} messages of the roles
+    chat templates know, at least one of them the user's)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UserError(f"{where}: '{column}' is empty")
         return
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
-        return
-    raise UserError(f"{where}: '{column}' must be a string or a list of {{role, content}} messages")
+    if not (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt)):
+        raise UserError(f"{where}: '{column}' must be a string or a list of {{role, content}} messages")
+    for i, m in enumerate(prompt):
+        if m["role"] not in PROMPT_ROLES:
+            raise UserError(f"{where}: '{column}' message {i}: role {m['role']!r} is none of {', '.join(PROMPT_ROLES)}")
+    if not any(m["role"] == "user" for m in prompt):
+        raise UserError(f"{where}: '{column}' has no user message (nothing is asked)")
 
 
 def last_message(prompt) -> str:

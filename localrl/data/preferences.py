@@ -114,7 +114,8 @@ def session_pairs(sessions: list[tuple[str, dict]]) -> list[dict]:
             raise UserError(f"{where}: a session's 'messages' and 'turns' must be lists")
         for turn in turns:
             i = turn.get("message") if isinstance(turn, dict) else None
-            if not isinstance(i, int) or not 0 < i < len(messages) or messages[i].get("role") != "assistant":
+            if not isinstance(i, int) or not 0 < i < len(messages) or not isinstance(messages[i], dict) \
+                    or messages[i].get("role") != "assistant" or not isinstance(messages[i].get("content"), str):
                 raise UserError(f"{where}: a turn's 'message' must index one of the model's replies")
             prompt, reply = messages[:i], messages[i]["content"]
             check_prompt(prompt, where)

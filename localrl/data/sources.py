@@ -84,7 +84,8 @@ def extract_answer(text: str, fmt: str) -> str | None:
     if match is None:
         return None
     found = match.group(1) if match.groups() else match.group(0)
-    return found.strip() if found is not None else None  # (an optional group that did not take part: none)
+    # (an optional group that did not take part, or a match of nothing, as `(\d*)` makes of any text: none)
+    return (found.strip() or None) if found is not None else None
 
 
 def is_file_source(data: str) -> bool:
@@ -225,10 +226,13 @@ def _disk_rows(path: Path, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
     datasets = _require_datasets(f"{what} {path}")
     try:
         found = datasets.load_from_disk(str(path))
+        rows = _split_of(found, str(path), c, what).to_list()
     except FileNotFoundError:
         raise UserError(f"{what} {path}: a directory, but not one datasets' save_to_disk wrote") from None
-    split = _split_of(found, str(path), c, what)
-    for i, row in enumerate(split.to_list(), start=1):
+    except (ValueError, OSError) as e:  # a damaged state.json (JSON), a cut .arrow file (Arrow's ValueError, OSError)
+        raise UserError(f"{what} {path}: a save_to_disk directory that cannot be read ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:160]})") from None
+    for i, row in enumerate(rows, start=1):
         yield f"{path}:row {i}", row
 
 

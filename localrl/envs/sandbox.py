@@ -418,7 +418,15 @@ class Sandbox:
                              time.monotonic() - t0, over_disk)
 
     def _stop(self, proc: subprocess.Popen, group: cgroups.CommandGroup | None) -> None:
-        """End the command and everything it started, finished or not."""
+        """End the command and everything it started, finished or not. Its processes are stopped first: a kill goes
+        round them one by one (a cgroup's too), and on a loaded machine a shell saw its child killed and ran its next
+        command before its own turn came (`echo FINISHED`, past a disk quota's decision). A stopped child's shell
+        waits on."""
+        for pid in group.pids() if group is not None else descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
         if group is not None:
             group.kill()
         if self.isolation in ("landlock", "process") and proc.poll() is None:

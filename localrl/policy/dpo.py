@@ -55,6 +55,8 @@ def loss_terms(loss_type: str, loss_weights: str = "") -> list[tuple[str, float]
         raise not_weights
     if len(weights) != len(names):
         raise ValueError(f"must give one weight for each loss in loss_type ({len(names)}: {loss_type})")
+    if not any(weights):
+        raise ValueError("must weigh at least one loss above 0 (with every weight 0 nothing trains)")
     return list(zip(names, weights))
 
 

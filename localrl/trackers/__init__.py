@@ -67,6 +67,10 @@ def check_report_to(report_to: str) -> None:
     chosen = names(report_to)
     if "none" in chosen:
         raise UserError("config field report_to: 'none' cannot be combined with a tracker", field="report_to")
+    twice = sorted({n for n in chosen if chosen.count(n) > 1})
+    if twice:
+        raise UserError(f"config field report_to: {', '.join(twice)} named twice (each tracker gets the records "
+                        f"once)", field="report_to")
     for name in chosen:
         plugin = trackers.get(name)
         module = getattr(plugin, "requires", "")
