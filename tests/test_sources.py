@@ -119,7 +119,8 @@ def test_held_out_rows_are_never_training_rows_and_a_split_a_file_lacks_is_one_l
 
 
 @pytest.mark.parametrize("prompt, message", [
-    ([{"role": "wizard", "content": "2 + 2?"}], "'prompt' message 0: role 'wizard' is none of system, developer, user"),
+    ([{"role": "wizard", "content": "2 + 2?"}],
+     "'prompt' message 0: role 'wizard' is none of system, developer, user, assistant, tool, function, ipython"),
     ([{"role": "system", "content": "Answer."}], "'prompt' has no user message (nothing is asked)"),
 ])
 def test_a_conversation_a_chat_template_cannot_ask_is_one_line(tmp_path, prompt, message):

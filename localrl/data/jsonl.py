@@ -10,7 +10,8 @@ from typing import Iterator
 from localrl.errors import UserError
 
 
-PROMPT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat templates' (OpenAI's) roles
+# the roles chat templates know: OpenAI's (function: its older tool role) and Llama 3.1's tool role (ipython)
+PROMPT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def check_prompt(prompt, where: str, column: str = "prompt") -> None:
