@@ -146,6 +146,15 @@ def test_a_damaged_save_to_disk_directory_is_one_line(sources, tmp_path):
             read_rows(str(d), GSM8K)
 
 
+@pytest.mark.parametrize("name", ["p.csv", "p.json"])
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, name):
+    """(A PermissionError traceback for CSV and JSON; JSONL and Parquet said it in one line.) Root reads any file,
+    so a file whose every read fails stands for an unreadable one: /proc/self/mem under the name."""
+    (tmp_path / name).symlink_to("/proc/self/mem")
+    with pytest.raises(UserError, match="^" + re.escape(f"data {tmp_path / name}: cannot be read (")):
+        read_rows(str(tmp_path / name))
+
+
 def test_a_cached_hub_id_reads_offline(hub_cache, monkeypatch):
     import datasets.config
 

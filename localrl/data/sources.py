@@ -139,7 +139,7 @@ def raw_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
         if suffix == ".json":
             yield from _json_rows(path, what)
         elif suffix == ".csv":
-            yield from _csv_rows(path)
+            yield from _csv_rows(path, what)
         elif suffix in (".parquet", ".arrow"):
             yield from _table_rows(path, suffix)
         else:  # .jsonl, and any other name (read as JSONL, as before other formats were)
@@ -159,6 +159,8 @@ def _json_rows(path: Path, what: str) -> Iterator[tuple[str, dict]]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as e:  # (unreadable: a PermissionError traceback; JSONL and Parquet said it in one line)
+        raise UserError(f"{what} {path}: cannot be read ({e.strerror or e})") from None
     except json.JSONDecodeError:
         yield from json_objects(path, what)  # JSON lines under a .json name, as `datasets` reads them too
         return
@@ -175,7 +177,7 @@ def _json_rows(path: Path, what: str) -> Iterator[tuple[str, dict]]:
         yield f"{path}:row {i}", row
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[str, dict]]:
+def _csv_rows(path: Path, what: str) -> Iterator[tuple[str, dict]]:
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
@@ -185,6 +187,8 @@ def _csv_rows(path: Path) -> Iterator[tuple[str, dict]]:
         raise UserError(f"{path}: not UTF-8 text") from None
     except csv.Error as e:
         raise UserError(f"{path}: not CSV ({e})") from None
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot be read ({e.strerror or e})") from None
 
 
 def _require_datasets(what: str):
