@@ -64,6 +64,7 @@ class EnvSetup:
     expert_tasks: Callable[[], TaskSource] | None = None  # the training tasks the expert can solve
     evaluate: Callable[[TaskSource], Environment] | None = None  # the held-out tasks' environment (None: factory's)
     memory: int = 0  # bytes the environment holds all run, in the run's memory plan (a world model's weights, caches)
+    release: Callable[[], None] = lambda: None  # frees what the setup holds all run (a world model's thread)
 
     def make_env(self, tasks: TaskSource | None = None) -> Environment:
         return self.factory(tasks or self.train)

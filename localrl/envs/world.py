@@ -155,6 +155,6 @@ def world_environment(cfg) -> EnvSetup:
 
     memory = world.memory_bytes() if hasattr(world, "memory_bytes") else 0
     return replace(shell, factory=factory, evaluate=shell.factory, memory=memory,
-                   details={"world": world.name, "held_out_in": "sandbox"},
+                   details={"world": world.name, "held_out_in": "sandbox"}, release=world.close,
                    describe=f"simulated by world model {world.name}; held-out evaluation in the real sandbox "
                             f"({shell.describe})")

@@ -142,7 +142,10 @@ class TorchWorld:
                 for ids, mask in zip(out.completion_ids, out.completion_mask)]
 
     def close(self) -> None:
+        """Ends the decoding thread and waits for it (a round in progress is finished first): a thread still in
+        torch when the interpreter exits can abort the process ("terminate called without an active exception")."""
         self._questions.put(None)
+        self._thread.join()
 
 
 class EndpointWorld:

@@ -106,6 +106,10 @@ class Episodes(Sampler):
     def held_out(self) -> list:
         return list(self.setup.held_out) if self.setup is not None else []
 
+    def close(self) -> None:
+        if self.setup is not None:
+            self.setup.release()
+
     def describe_eval(self) -> str:
         return f"in the {self.cfg.env} environment"
 
