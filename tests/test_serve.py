@@ -90,11 +90,38 @@ def agent_server(tmp_path_factory):
     yield from _serve(gguf, tmp_path_factory)
 
 
+def _sent_back(message, call, shape: str) -> list:
+    """Turn 1's assistant message and the tool's result, as a client of the given kind sends them back."""
+    result = {"role": "tool", "tool_call_id": call.id, "content": "7\n[exit code 0]"}
+    function = {"name": call.function.name, "arguments": call.function.arguments}
+    assistant = {
+        "as-returned": message,  # the client's own object
+        "model_dump": message.model_dump(),  # every field: refusal, annotations, audio, function_call as null
+        "exclude_none": message.model_dump(exclude_none=True),  # content left out
+        "exclude_unset": message.model_dump(exclude_unset=True),
+        "content-empty": {**message.model_dump(exclude_none=True), "content": ""},
+        # by hand, content as a list of parts, the tool's name on its result
+        "parts": {"role": "assistant", "content": [], "tool_calls": [{"id": call.id, "type": "function",
+                                                                       "function": function}]},
+        "legacy-function": {"role": "assistant", "content": None, "function_call": function},
+    }[shape]
+    if shape == "model_dump":
+        assert {"refusal", "annotations", "audio", "function_call"} <= {k for k, v in assistant.items() if v is None}
+    if shape == "exclude_none":
+        assert "content" not in assistant
+    if shape == "parts":
+        result = {**result, "name": call.function.name, "content": [{"type": "text", "text": result["content"]}]}
+    if shape == "legacy-function":
+        result = {"role": "function", "name": call.function.name, "content": result["content"]}
+    return [assistant, result]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("shape", ["as-returned", "content-absent", "content-empty"])
+@pytest.mark.parametrize("shape", ["as-returned", "model_dump", "exclude_none", "exclude_unset", "content-empty",
+                                   "parts", "legacy-function"])
 def test_the_official_openai_client_completes_a_two_turn_tool_loop(agent_server, shape, stream):
-    """Turn 1 asks for a command; the client sends the assistant message back (as the client returned it,
-    its content left out, or empty) with a ``tool`` message holding the command's output; turn 2 answers."""
+    """Turn 1 asks for a command; the client sends the assistant message back in one of the shapes OpenAI's API
+    takes, with a ``tool`` message holding the command's output; turn 2 answers."""
     from openai import OpenAI
 
     client = OpenAI(base_url=agent_server, api_key="unused", max_retries=0)
@@ -104,11 +131,7 @@ def test_the_official_openai_client_completes_a_two_turn_tool_loop(agent_server,
     message = first.choices[0].message
     [call] = message.tool_calls
     assert message.content in (None, "") and "maple.txt" in call.function.arguments
-    assistant = {"as-returned": message, "content-absent": message.model_dump(exclude_none=True),
-                 "content-empty": {**message.model_dump(exclude_none=True), "content": ""}}[shape]
-    if shape == "content-absent":
-        assert "content" not in assistant
-    messages += [assistant, {"role": "tool", "tool_call_id": call.id, "content": "7\n[exit code 0]"}]
+    messages += _sent_back(message, call, shape)
     second = client.chat.completions.create(model="tiny-shell", messages=messages, tools=SHELL_TOOLS, max_tokens=48,
                                             temperature=0, stream=stream)
     if stream:
@@ -118,6 +141,69 @@ def test_the_official_openai_client_completes_a_two_turn_tool_loop(agent_server,
     else:
         text, finish = second.choices[0].message.content, second.choices[0].finish_reason
     assert finish == "stop" and "<answer>7</answer>" in text, (finish, text, call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_langchains_openai_chat_model_completes_a_two_turn_tool_loop(agent_server, stream):
+    """Another widely used client, which builds the messages it sends back from its own message types."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=agent_server, api_key="unused", model="tiny-shell", temperature=0, max_tokens=48,
+                      max_retries=0, streaming=stream).bind_tools(SHELL_TOOLS)
+    messages = [HumanMessage("How many lines are in maple.txt?")]
+    first = chat.invoke(messages)
+    [call] = first.tool_calls
+    assert call["name"] == "shell" and "maple.txt" in call["args"]["command"], first
+    messages += [first, ToolMessage("7\n[exit code 0]", tool_call_id=call["id"])]
+    second = chat.invoke(messages)
+    assert not second.tool_calls and "<answer>7</answer>" in second.content, second
+
+
+ASKED = {"role": "user", "content": "How many lines are in maple.txt?"}
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([ASKED, {"role": "wizard", "content": "hi"}], "messages[1].role"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([ASKED, {**CALLED, "tool_calls": [{"id": "call_0", "type": "function", "function": {"arguments": "{}"}}]}],
+     "messages[1].tool_calls[0].function.name"),
+    ([ASKED, {**CALLED, "tool_calls": [{"id": "call_0", "function": {"name": "shell", "arguments": {}}}]}],
+     "messages[1].tool_calls[0].function.arguments"),
+    ([ASKED, {**CALLED, "refusal": 5}], "messages[1].refusal"),
+    ([ASKED, {**CALLED, "audio": {"id": "audio_1"}}], "messages[1].audio"),
+    ([ASKED, CALLED, {"role": "tool", "content": "7"}], "messages[2].tool_call_id"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+     "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text", "text": 7}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": 7}], "messages[0].content"),
+    ([{"role": "system"}], "messages[0].content"),
+    ([ASKED, "hello"], "messages[1]"),
+])
+def test_a_message_the_api_would_refuse_gets_a_400_naming_its_index_and_field(server, messages, param):
+    status, text = _post(f"{server}/chat/completions", json.dumps({"messages": messages, "max_tokens": 4}).encode(),
+                         "sekrit")
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    assert "ChatCompletionRequest" not in error["message"]
+
+
+def test_developer_messages_and_text_parts_are_what_a_system_message_and_plain_text_are(server):
+    """OpenAI's newer system role and content as a list of text parts: the same reply as the plain shapes."""
+    plain = {"messages": [{"role": "system", "content": "Answer briefly."}, QUESTION["messages"][0]],
+             "max_tokens": 24, "temperature": 0}
+    shaped = {**plain, "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}], "name": None},
+        {"role": "user", "content": [{"type": "text", "text": QUESTION["messages"][0]["content"]}]}]}
+    replies = []
+    for request in (plain, shaped):
+        status, text = _post(f"{server}/chat/completions", json.dumps(request).encode(), "sekrit")
+        assert status == 200, text
+        replies.append(json.loads(text)["choices"][0]["message"]["content"])
+    assert replies[0] == replies[1] and replies[0]
 
 
 def test_an_agents_tool_calls_come_back_in_openais_tool_calls_field(tmp_path_factory):
@@ -306,11 +392,9 @@ def test_failures_are_json_500s_without_a_traceback(server):
     status, text = _post(f"{root}/extras/tokenize", json.dumps({"input": "é"}).encode(), "sekrit")
     tokens = json.loads(text)["tokens"]
     assert status == 200 and len(tokens) == 2, text  # bytes: the first alone is half a UTF-8 character
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 4}
     tools = QUESTION | {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
                         "tool_choice": {"type": "function", "function": {"name": "g"}}}
     for path, body in (("/extras/detokenize", {"tokens": tokens[:1]}),  # llama-cpp-python's decode fails
-                       ("/v1/chat/completions", parts),  # the chat template takes text content only
                        ("/v1/chat/completions", tools), ("/v1/chat/completions", tools | {"stream": True})):
         status, text = _post(f"{root}{path}", json.dumps(body).encode(), "sekrit")
         assert status == 500, (path, text)

@@ -33,7 +33,8 @@ No response carries a traceback or a file path: any other failure is a JSON 500
 ``{"error": {"message": "internal error: ...", "type": "server_error"}}``; the details go to the server's log.
 
 The middlewares, outermost first, each in its module: ``GuardErrors`` (error_guard.py), ``Gate`` (gate.py, with
-where the key comes from), ``ToolMessages`` and ``ToolCalls`` (tool_rewrite.py), ``ValidateRequests``
+where the key comes from), ``NormaliseMessages`` (messages.py: every message shape OpenAI's API takes),
+``ToolMessages`` and ``ToolCalls`` (tool_rewrite.py), ``ValidateRequests``
 (validation.py); what they share is asgi.py. This module checks the settings, loads the model and serves.
 """
 
@@ -51,6 +52,7 @@ from localrl.serving.error_guard import GuardErrors
 from localrl.serving.gate import (API_KEY_ENV, MAX_BODY_BYTES, Gate, cors_origin, host_name, is_loopback,
                                   served_hosts)
 from localrl.serving.limits import RequestLimits
+from localrl.serving.messages import NormaliseMessages
 from localrl.serving.tool_rewrite import ToolCalls, ToolMessages
 from localrl.serving.validation import ValidateRequests
 
@@ -113,6 +115,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         llama = proxy() if proxy is not None else None
         template = (llama.metadata.get("tokenizer.chat_template", "") if llama is not None else "") or ""
         app = ToolMessages(ValidateRequests(ToolCalls(app), n_ctx, llama, p.stem, limits), template)
+        app = NormaliseMessages(app)
         app = GuardErrors(Gate(app, *served_hosts(host, allowed_hosts), api_key or None, max_body_bytes, cors_origins,
                                limits.max_headers))
         address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL

@@ -79,7 +79,7 @@ class ValidateRequests:
             request = self.models[path].model_validate_json(body)
         except ValidationError as e:
             first = e.errors()[0]
-            return ".".join(str(x) for x in first.get("loc", ())) or "body", str(first.get("msg"))
+            return where(first.get("loc", ())), str(first.get("msg"))
         if path in COMPLETIONS:
             prompt = request.prompt
             if isinstance(prompt, list) and len(prompt) > 1:  # llama-cpp-python asserts one
@@ -126,6 +126,23 @@ class ValidateRequests:
             return False
         llama_cpp.llama_sampler_free(sampler)
         return True
+
+
+TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}  # union branches, as pydantic names them
+
+
+def where(loc) -> str:
+    """A pydantic error's location as the parameter a client sent: ``messages[1].content``, without the names of the
+    union branches pydantic tried (``ChatCompletionRequestSystemMessage``, ``list[...]``)."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part[:1].isupper() or not part.replace("_", "").isalnum() or part in TYPE_NAMES:
+            continue
+        else:
+            text += f".{part}" if text else part
+    return text or "body"
 
 
 def _token_id(key: str) -> int:
