@@ -363,3 +363,60 @@ def serving(gguf, log_dir: Path, *flags, env: dict | None = None):
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+
+
+def write_pairs(path, n: int) -> str:
+    """``n`` of the built-in task's pairs as a TRL conversational preference file (JSONL)."""
+    import random
+
+    from localrl.data.arithmetic import sample_problems
+    from localrl.data.preferences import builtin_pair
+
+    with open(path, "w") as f:
+        for p in sample_problems(random.Random(3), n):
+            pair = builtin_pair({"prompt": p.question})
+            f.write(json.dumps({"prompt": [{"role": "user", "content": pair["prompt"]}],
+                                "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+                                "rejected": [{"role": "assistant", "content": pair["rejected"]}]}) + "\n")
+    return str(path)
+
+
+def write_demonstrations(path, n: int, conversational: bool = False) -> str:
+    """``n`` of the built-in task's problems answered without working (``<answer>N</answer>``, a format the built-in
+    model never writes) as a TRL prompt-completion file (JSONL), standard or conversational."""
+    import random
+
+    from localrl.data.arithmetic import sample_problems
+
+    with open(path, "w") as f:
+        for p in sample_problems(random.Random(5), n):
+            prompt, completion = p.question, f"<answer>{p.answer}</answer>"
+            if conversational:
+                prompt = [{"role": "user", "content": prompt}]
+                completion = [{"role": "assistant", "content": completion}]
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    return str(path)
+
+
+def record_sessions(tmp_path, rule: str, n: int = 40):
+    """A session log of the scripted person with ``rule`` approving or editing the expert's commands of ``n`` training
+    tasks (a scripted model proposes them); its directory."""
+    import io
+    import random
+
+    from localrl.agent.approvals import Approvals
+    from localrl.agent.scripted_person import RULES, ScriptedPerson
+    from localrl.agent.session import run_agent
+    from localrl.agent.session_log import SessionLog
+    from localrl.envs.shell_tasks import sample_tasks
+
+    log = SessionLog(tmp_path / "sessions")
+    person = ScriptedPerson(RULES[rule])
+    for i, task in enumerate(sample_tasks(random.Random("edits"), n)):
+        work = tmp_path / f"w{i}"
+        work.mkdir()
+        task.setup(work)
+        model = ScriptedModel([tool_call(c) for c in task.solution] + ["<answer>done</answer>"])
+        run_agent(model, task.instruction, work, person.ask, io.StringIO(), system=None,
+                  approvals=Approvals(work, store=tmp_path / "a.json"), log=log)
+    return log.directory

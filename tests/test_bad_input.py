@@ -660,8 +660,8 @@ def test_a_config_file_with_a_byte_order_mark_is_read(audit_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["sft", "--data", "latin1.jsonl"], "config field data: is for single-turn prompts; an environment's tasks come "
-                                        "from env_tasks (got 'latin1.jsonl')"),
+    (["sft", "--env", "shell", "--data", "latin1.jsonl"], "config field data: is for single-turn prompts; an "
+                                                          "environment's tasks come from env_tasks (got 'latin1.jsonl')"),
     (["train", "--env", "shell", "--eval-data", "x.jsonl"], "config field eval_data: is for single-turn prompts"),
     (["train", "--markovian-carry", "4"], "config field markovian_carry: needs markovian_chunk (Markovian thinking "
                                           "is off while markovian_chunk is 0) (got 4)"),

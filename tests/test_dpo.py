@@ -24,7 +24,7 @@ from localrl.policy.dpo import DPO_LOSS_TYPES, dpo_loss, dpo_update, preference_
 from localrl.policy.shared_prompt import ConcatForward
 from localrl.training.loop import resume_config, train
 from localrl.training.settings import build_config
-from tests.helpers import QUIET, randomise_lora, rel_err, small, train_records
+from tests.helpers import QUIET, randomise_lora, rel_err, small, train_records, write_pairs
 from tests.test_prompt_cache import make_rollout
 
 D = torch.float64
@@ -208,20 +208,6 @@ def test_bad_dpo_settings_are_one_line(flags, message):
 def test_the_preset_is_trls(tmp_path):
     cfg = build_config(None, {"objective": "dpo"})
     assert (cfg.beta, cfg.loss_type, cfg.label_smoothing) == (0.1, "sigmoid", 0.0)
-
-
-def write_pairs(path, n: int) -> str:
-    """``n`` of the built-in task's pairs as a TRL conversational JSONL file."""
-    from localrl.data.arithmetic import sample_problems
-    import random
-
-    with open(path, "w") as f:
-        for p in sample_problems(random.Random(3), n):
-            pair = builtin_pair({"prompt": p.question})
-            f.write(json.dumps({"prompt": [{"role": "user", "content": pair["prompt"]}],
-                                "chosen": [{"role": "assistant", "content": pair["chosen"]}],
-                                "rejected": [{"role": "assistant", "content": pair["rejected"]}]}) + "\n")
-    return str(path)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from localrl.agent.session import run_agent
 from localrl.agent.session_log import SessionLog
 from localrl.envs.shell_tasks import held_out_tasks, sample_tasks
 from localrl.errors import UserError
-from tests.helpers import ScriptedModel, localrl, tool_call
+from tests.helpers import ScriptedModel, localrl, record_sessions, tool_call
 
 
 def test_the_rules_of_one_edit():
@@ -74,21 +74,6 @@ def test_the_learned_person_edits_held_out_commands_as_the_person_does(rule):
     assert [rules.apply(c) for c in held] == [person(c) for c in held]
 
 
-def _sessions(tmp_path, rule: str, n: int = 40):
-    """A session log of the scripted person with ``rule`` approving or editing the expert's commands of ``n`` training
-    tasks (a scripted model proposes them)."""
-    log = SessionLog(tmp_path / "sessions")
-    person = ScriptedPerson(RULES[rule])
-    for i, task in enumerate(sample_tasks(random.Random("edits"), n)):
-        work = tmp_path / f"w{i}"
-        work.mkdir()
-        task.setup(work)
-        model = ScriptedModel([tool_call(c) for c in task.solution] + ["<answer>done</answer>"])
-        run_agent(model, task.instruction, work, person.ask, io.StringIO(), system=None,
-                  approvals=Approvals(work, store=tmp_path / "a.json"), log=log)
-    return log.directory
-
-
 def test_the_person_env_takes_off_the_share_of_commands_the_person_would_edit(tmp_path):
     """env shell_person in the real sandbox: the expert's commands solve a task; spelt long they solve it with the
     person's approval (reward 1), spelt short the reward loses PERSON_WEIGHT x the share the person would edit."""
@@ -97,7 +82,7 @@ def test_the_person_env_takes_off_the_share_of_commands_the_person_would_edit(tm
     from localrl.envs.shell import ShellEnv, expert_answer, expert_call
     from localrl.envs.shell_person import PERSON_WEIGHT
 
-    sessions = _sessions(tmp_path, "long-options", n=24)
+    sessions = record_sessions(tmp_path, "long-options", n=24)
     setup = environment_for(TrainConfig(env="shell_person", person_sessions=str(sessions), eval_size=20).validate())
     person = RULES["long-options"]
     task = next(t for t in setup.held_out if any(person(c) != c for c in t.solution))
@@ -145,7 +130,7 @@ def test_the_agent_follows_the_persons_edits(tmp_path):
     """run_agent with the learned person as the harness (``localrl agent --follow-edits``): the proposal the person
     is asked about is the revised one, so they approve it; the conversation holds the model's reply and the output of
     what ran."""
-    sessions = _sessions(tmp_path, "timeout", n=8)
+    sessions = record_sessions(tmp_path, "timeout", n=8)
     rules = EditRules.from_sessions(sessions)
     assert [r.describe() for r in rules.rules] == ["every line starts with 'timeout 10'"]
     person = ScriptedPerson(RULES["timeout"])
@@ -164,7 +149,7 @@ def test_the_agent_follows_the_persons_edits(tmp_path):
 
 @pytest.mark.slow
 def test_agent_follow_edits_on_the_command_line(tmp_path):
-    sessions = _sessions(tmp_path, "long-options", n=12)
+    sessions = record_sessions(tmp_path, "long-options", n=12)
     proc = localrl("agent", "tiny-shell", "How many lines are in a.txt?", "--workdir", str(tmp_path),
                    "--follow-edits", str(sessions), "--max-turns", "1", input="n\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -180,7 +165,7 @@ def test_each_way_of_learning_from_the_sessions_runs(tmp_path):
     from localrl.benchmarks.approvals import LEARNERS
     from localrl.runs import Run
 
-    sessions = _sessions(tmp_path, "long-options", n=12)
+    sessions = record_sessions(tmp_path, "long-options", n=12)
     for learn in ("rl", "sft"):
         agent, revise = LEARNERS[learn]("tiny-shell", sessions, tmp_path / learn, 1, 0, print_fn=lambda *_: None,
                                         prompts_per_step=1, group_size=2)

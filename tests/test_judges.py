@@ -90,6 +90,41 @@ def test_a_run_with_a_judge_reward_logs_its_scores_and_counts(builtin_model, tmp
         assert sum(r["judge_requests"] for r in records) + probed == len(judge.requests)
 
 
+def test_requests_failed_one_after_another_stop_at_the_stated_number():
+    """FAILURES_IN_A_ROW failed requests (each after its retries) are one line naming the endpoint and its last
+    error; an answered request in between starts the count again."""
+    from localrl.generation.endpoint import FAILURES_IN_A_ROW
+
+    ask = [[{"role": "user", "content": f"question {i}"}] for i in range(2 * FAILURES_IN_A_ROW)]
+    once = EndpointSettings(concurrency=4, timeout=10.0, retries=0)
+    with ScriptedJudge(lambda m: "Score: 5", fail=[500] * (FAILURES_IN_A_ROW - 1) + [200] +
+                       [500] * (FAILURES_IN_A_ROW - 1)) as judge:
+        endpoint = Endpoint(judge.url, "reward", once)
+        for i in range(2 * FAILURES_IN_A_ROW - 1):  # one at a time: the order the server fails them in
+            endpoint.chat(ask[i:i + 1], 8)
+        assert endpoint.take_stats()["failed"] == 2 * FAILURES_IN_A_ROW - 2
+    with ScriptedJudge(lambda m: "Score: 5", fail=[500] * 1000) as judge:
+        endpoint = Endpoint(judge.url, "experience_judge", once)
+        with pytest.raises(UserError, match=rf"^config field experience_judge: the judge at http://127\.0\.0\.1:\d+/v1"
+                                            rf"\|scripted-judge failed {FAILURES_IN_A_ROW} requests in a row, each "
+                                            rf"after 0 retries \(the last: .*500.*\); stopping rather than going on "
+                                            rf"without it$"):
+            endpoint.chat(ask[:FAILURES_IN_A_ROW], 8)
+
+
+def test_training_free_grpo_stops_in_one_line_when_its_judge_fails_every_request(builtin_model, tmp_path, capsys):
+    """Before, the run went on to exit 0, its only trace judge_failed in metrics.jsonl."""
+    from tests.helpers import one_line
+
+    with ScriptedJudge(write_lessons, fail=[500] * 10_000) as judge:
+        line = one_line(capsys, "train", "--objective", "experience", "--experience-judge",
+                        f"{judge.url}|{ScriptedJudge.MODEL}", "--judge-retries", "0", "--steps", "30",
+                        "--prompts-per-step", "8", "--eval-size", "0", "--run-dir", tmp_path / "run")
+    assert "experience_judge: the judge at" in line and "requests in a row" in line, line
+    steps = train_records(tmp_path / "run")
+    assert 0 < len(steps) < 30 and all(r["judge_failed"] == r["judge_requests"] for r in steps)
+
+
 def test_training_free_grpo_with_a_judge_behind_an_endpoint(builtin_model, tmp_path):
     """The scripted judge writes the two hand-written lessons into the library, as far as the room the prompt keeps
     for them allows (the built-in model's tokens are characters: in 160 of them, the first lesson, 169 tokens with

@@ -20,17 +20,17 @@ from localrl.objectives import objectives
 from localrl.samplers import samplers
 from localrl.training.loop import resume_config, train
 from localrl.training.settings import build_config
-from tests.helpers import QUIET, make_tiny_model, train_records
+from tests.helpers import QUIET, make_tiny_model, record_sessions, train_records, write_demonstrations, write_pairs
 
 BASE = {"steps": 3, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16, "eval_size": 0, "save_every": 1,
         "seed": 7}
 SIGNAL = {"reward": "tests.helpers:distinct_chars"}  # completions of a group score apart from the first step on
 EPISODES = {"max_new_tokens": 48, "temperature": 1.5}  # long and varied enough that a group's episodes score apart
-# (name: fields); "{long}", "{pairs}", "{sessions}": files the `files` fixture makes
+# (name: fields); "{long}", "{pairs}", "{demos}", "{sessions}": files the `files` fixture makes
 CASES = {
     "grpo": SIGNAL,
     "dpo online": {"objective": "dpo", **SIGNAL},
-    "dpo from a file": {"objective": "dpo", "sampler": "preferences", "data": "{pairs}"},
+    "dpo from a file": {"objective": "dpo", "data": "{pairs}"},  # (the pairs' columns select sampler preferences)
     "ppo": {"objective": "ppo", "num_ppo_epochs": 2, **SIGNAL},
     "contrastive_grpo": {"objective": "contrastive_grpo", "contrastive_margin": 0.1, **SIGNAL},
     "experience": {"objective": "experience", "experience_judge": "{long}", "experience_judge_tokens": 8, **SIGNAL},
@@ -39,6 +39,7 @@ CASES = {
     "prefix_tree": {"sampler": "prefix_tree", "tree_prefixes": 2, **SIGNAL},
     "shell": {"env": "shell", **EPISODES},
     "sft": {"objective": "sft", "env": "shell"},
+    "sft from a file": {"objective": "sft", "data": "{demos}"},  # (prompt-completion rows: sampler demonstrations)
     "turn_grpo": {"objective": "turn_grpo", "env": "shell", **EPISODES},
     "shell_drafts": {"objective": "sft", "env": "shell_drafts"},
     "shell_person": {"env": "shell_person", "person_sessions": "{sessions}", **EPISODES},
@@ -55,14 +56,12 @@ STILL = {"experience": "training-free: it learns lessons, not weights (its libra
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, builtin_model) -> dict[str, str]:
     """What some cases name: a random model with a context of 2048 tokens (a judge, a game's players), a TRL
-    preference file, a person's recorded sessions."""
-    from tests.test_dpo import write_pairs
-    from tests.test_edit_rules import _sessions
-
+    preference file, a TRL prompt-completion file, a person's recorded sessions."""
     root = tmp_path_factory.mktemp("contract")
     return {"long": str(make_tiny_model(root / "long", "llama", context=2048)),
             "pairs": write_pairs(root / "pairs.jsonl", 40),
-            "sessions": str(_sessions(root, "long-options", n=4))}
+            "demos": write_demonstrations(root / "demos.jsonl", 40),
+            "sessions": str(record_sessions(root, "long-options", n=4))}
 
 
 def config(case: str, files: dict[str, str], run_dir: Path, **over):

@@ -131,7 +131,8 @@ def test_init_adapter_errors_are_one_line_before_anything_is_written(tmp_path, c
 
 
 def test_sft_needs_an_environment_and_tasks_with_solutions(tmp_path, capsys):
-    with pytest.raises(UserError, match="sft learns from an environment's expert episodes: it needs env"):
+    with pytest.raises(UserError, match=r"sft learns from an environment's expert episodes \(env, e.g. 'shell'\) or "
+                                        r"from prompt-completion rows \(data\)"):
         build_config(None, {"objective": "sft", "env": ""})
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"instruction": "Make b.txt.", "files": {}, "check": {"files": {"b.txt": ""}}}) + "\n")

@@ -44,14 +44,14 @@ def preference_row(raw: dict, where: str) -> dict:
     else:
         prompt = raw["prompt"]
         check_prompt(prompt, where)
-    row = {"prompt": prompt, "chosen": _completion(chosen, where, "chosen"),
-           "rejected": _completion(rejected, where, "rejected")}
+    row = {"prompt": prompt, "chosen": completion_text(chosen, where, "chosen"),
+           "rejected": completion_text(rejected, where, "rejected")}
     if row["chosen"] == row["rejected"]:
         raise UserError(f"{where}: 'chosen' and 'rejected' are the same completion (no preference to learn)")
     return row
 
 
-def _completion(value, where: str, key: str) -> str:
+def completion_text(value, where: str, key: str) -> str:
     """A completion's text: a string, or a conversation's one assistant message."""
     if isinstance(value, str):
         text = value

@@ -11,7 +11,8 @@ failure, a time-out, a 429 or a 5xx is
 retried up to ``retries`` times with a doubling pause; any other 4xx is not. Identical requests (a completion
 that two group members share, a step asked again) are sent once: their replies are kept for the run. Every
 request, failure, retry and cached reply is counted (``take_stats``), for the step's record; a failed request
-is None, never an empty reply passed off as the judge's.
+is None, never an empty reply passed off as the judge's. ``FAILURES_IN_A_ROW`` failed requests one after another
+(each after its retries) stop the run in one line naming the endpoint and its last error.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ API_KEY_VARIABLES = ("LOCALRL_JUDGE_API_KEY", "OPENAI_API_KEY")
 RETRY_PAUSE_S = 0.5  # before the first retry; doubled before each next one
 CACHE_LIMIT = 50_000  # replies kept (a long run's worth of distinct requests)
 CHECK_TIMEOUT_S = 10.0  # the first look at the server: a start that hangs on a dead endpoint says so in seconds
+# requests failed one after another (each after its retries) that stop the run: a judge or world model that never
+# answers is said in one line, not only counted in the records while the run trains on nothing
+FAILURES_IN_A_ROW = 16
 
 
 def is_endpoint(spec: str) -> bool:
@@ -79,6 +83,7 @@ class Endpoint:
         self._checked = False
         self._stats = dict.fromkeys(("requests", "failed", "retries", "cached"), 0)
         self.last_error = ""
+        self._in_a_row = 0  # requests failed since the last that was answered
 
     def __repr__(self) -> str:
         return f"{self.base}|{self.model}" if self.model else self.base
@@ -124,6 +129,13 @@ class Endpoint:
                     self._cache.clear()
                 self._cache.update({k: r for k, r in zip(missing, replies) if r is not None})
                 failed = {k for k, r in zip(missing, replies) if r is None}
+                for reply in replies:
+                    self._in_a_row = 0 if reply is not None else self._in_a_row + 1
+                in_a_row = self._in_a_row
+            if in_a_row >= FAILURES_IN_A_ROW:
+                raise UserError(f"config field {self.field}: the {self.role} at {self!r} failed {in_a_row} requests "
+                                f"in a row, each after {self.settings.retries} retries (the last: "
+                                f"{self.last_error}); stopping rather than going on without it", field=self.field)
         else:
             failed = set()
         return [None if k in failed else self._cache.get(k) for k in keys]

@@ -69,6 +69,7 @@ class Objective(ABC):
     samples = True  # it trains on what its sampler samples (sft learns from an environment's expert episodes)
     group_relative = False  # its advantages compare each group's rows (GRPO's family), however a sampler formed them
     takes_pairs = False  # it trains on fixed (chosen, rejected) pairs handed over as they are
+    imitates = False  # it learns to reproduce completions handed over as they are (demonstrations)
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

@@ -1,15 +1,20 @@
-"""Supervised warm start as an objective (the demonstrations and the loss are ``localrl.policy.sft``): each step plays
-the environment's expert on ``prompts_per_step`` training tasks (a pure function of (seed, step)), keeps the
-episodes its verifier scores 1, and takes one AdamW step on their mean negative log-likelihood. It samples
-nothing; the run's held-out evaluations play the model's own greedy episodes, as any run in an environment
-does. ``localrl sft`` is ``localrl train --objective sft``.
+"""Supervised fine-tuning as an objective (the demonstrations and the loss are ``localrl.policy.sft``): one AdamW
+step a step on the mean negative log-likelihood of ``prompts_per_step`` demonstrations (a pure function of
+(seed, step)), from either
+
+- an environment's expert (``env``, the shell by default): its episodes on training tasks, kept where the verifier
+  scores them 1 (a warm start before RL); the held-out evaluations play the model's own greedy episodes;
+- prompt-completion rows (``--data FILE``: TRL's SFT data, handed over by the demonstrations sampler, which the
+  data's columns select); the held-out evaluations score held-out rows teacher-forced.
+
+It samples nothing. ``localrl sft`` is ``localrl train --objective sft``.
 """
 
 from __future__ import annotations
 
 import time
 
-from localrl.config import check_fields
+from localrl.config import BUILTIN_TASKS, check_fields
 from localrl.envs import task_seeds
 from localrl.errors import UserError
 from localrl.generation.agent_rollout import TurnFormat
@@ -25,22 +30,29 @@ class SFT(Objective):
     rows_per_prompt = 1  # one (expert) trajectory per task
     sample_rewards = False
     samples = False
-    # `--objective sft` (`localrl sft`) trains on the shell's expert episodes unless env is set. Its learning rate
-    # stays the default (2e-3, sized for the built-in models: tiny-shell 25% -> 77% held-out in 30 steps; 5e-4
+    imitates = True
+    handed = False  # the sampler hands the demonstrations over (preflight decides)
+    # `--objective sft` (`localrl sft`) trains on the shell's expert episodes unless env or data is set. Its learning
+    # rate stays the default (2e-3, sized for the built-in models: tiny-shell 25% -> 77% held-out in 30 steps; 5e-4
     # reached 51%); a real model wants less (SmolLM2-135M was warm-started at 5e-4).
     preset = {"env": "shell"}
 
     @staticmethod
     def check_selected(cfg) -> None:
-        check_fields(cfg, [("objective", bool(cfg.env),
-                            "sft learns from an environment's expert episodes: it needs env (e.g. 'shell')")])
+        check_fields(cfg, [("objective", bool(cfg.env) or cfg.data not in BUILTIN_TASKS,
+                            "sft learns from an environment's expert episodes (env, e.g. 'shell') or from "
+                            "prompt-completion rows (data)")])
 
     def check(self, w) -> None:
         w.one_process("objective", "sft")
 
     def preflight(self, info, sampler, plan):
-        """The environment must have an expert, and training tasks it solves."""
+        """An environment must have an expert, and training tasks it solves (a sampler without an environment hands
+        its demonstrations over itself)."""
         setup = getattr(sampler, "setup", None)
+        self.handed = setup is None and getattr(sampler, "needs", {}).get("imitates") is not None
+        if self.handed:
+            return "", None
         if setup is None or setup.expert is None:
             raise UserError(f"config field objective: sft learns from an environment's expert episodes; "
                             f"env {self.cfg.env or '(none)'} has no expert", field="objective")
@@ -49,6 +61,8 @@ class SFT(Objective):
         return "", None
 
     def step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        if self.handed:
+            return self._handed_step(ctx, step, tokens)
         cfg, setup = self.cfg, ctx.sampler.setup
         t0 = time.time()
         demos = expert_demos(setup, task_seeds(cfg, step), cfg.env_workers)
@@ -81,6 +95,20 @@ class SFT(Objective):
             "peak_mem_mb": peak_memory_mb(ctx.device),
             **setup.details,
         }
+
+    def _handed_step(self, ctx: StepContext, step: int, tokens: int) -> dict:
+        """A step on the demonstrations the sampler hands over (prompt-completion rows)."""
+        t0 = time.time()
+        batch = ctx.sampler.sample(ctx, step, tokens, self.system)
+        micro_batch, logits_chunk = batch_plan(ctx.model, batch.rollout, self.cfg, step, ctx.budget)
+        loss = nll_step(ctx.model, ctx.optimizer, batch.rollout, self.cfg, micro_batch, logits_chunk)
+        elapsed = time.time() - t0
+        n = int(batch.rollout.trained_mask.sum())
+        rows = len(batch.lengths)
+        return {"kind": "train", "objective": "sft", "step": step + 1, "loss": loss, "demos": rows,
+                "completion_len": n / max(rows, 1), "tokens_per_s": n / max(elapsed, 1e-9),
+                "step_s": round(elapsed, 3), "lr": ctx.optimizer.param_groups[0]["lr"],
+                "micro_batch": micro_batch or rows, "peak_mem_mb": peak_memory_mb(ctx.device), **batch.extra}
 
     def summary(self, record: dict) -> str:
         return f"loss {record['loss']:.4f}  {record['demos']} demos"

@@ -9,8 +9,13 @@ would hold it (``episode_tokens``: the chat template's tokens between turns, the
 where it would sample them), and minimises the negative log-likelihood of the agent's tokens,
 averaged over all agent tokens of the step (so the micro-batch size does not change the gradient).
 
-The step itself is the ``sft`` objective (``localrl.objectives.sft``). ``localrl sft`` runs it as an ordinary run (checkpoints, resume, held-out episodes before and
-after); ``localrl train --init-adapter RUN`` then starts GRPO from its adapter.
+The same step learns prompt-completion rows (TRL's SFT data, ``localrl.samplers.demonstrations``): their
+completions' tokens are the trained ones, and ``demo_scores`` measures held-out rows as TRL's SFTTrainer logs them
+(mean per-token loss, mean token accuracy).
+
+The step itself is the ``sft`` objective (``localrl.objectives.sft``). ``localrl sft`` runs it as an ordinary run
+(checkpoints, resume, held-out evaluations before and after); ``localrl train --init-adapter RUN`` then starts GRPO
+from its adapter.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from localrl.envs import EnvSetup
 from localrl.generation.agent_rollout import TurnFormat
 from localrl.generation.rollout import Rollout, left_pad
 from localrl.policy.grpo import row_slices
-from localrl.policy.shared_prompt import ConcatForward
+from localrl.policy.shared_prompt import ConcatForward, split_model
 
 
 @dataclass
@@ -118,3 +123,31 @@ def nll_step(model, optimizer, rollout: Rollout, cfg: TrainConfig, micro_batch: 
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
     optimizer.step()
     return total
+
+
+@torch.no_grad()
+def demo_scores(model, rollout: Rollout, batch_size: int = 8) -> dict:
+    """Held-out demonstrations, teacher-forced: ``loss``, the mean negative log-likelihood of their trained tokens;
+    ``accuracy``, the share of those tokens that are the model's most likely next token (TRL's
+    ``mean_token_accuracy``); ``n``, the rows. The output head runs only at the trained tokens' positions."""
+    backbone, head = split_model(model)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll = right = tokens = 0.0
+    for rows in row_slices(rollout.completion_ids.size(0), batch_size):
+        c_ids = rollout.completion_ids[rows].to(device)
+        prompt_ids, prompt_mask = rollout.row_prompts(rows)
+        ids = torch.cat([prompt_ids.to(device), c_ids[:, :-1]], dim=1)
+        mask = torch.cat([prompt_mask, rollout.completion_mask[rows][:, :-1]], dim=1).to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        where = rollout.trained_mask[rows].to(device).bool()
+        logits = head(hidden[:, -c_ids.size(1):][where]).float()  # [N, V]: only the trained tokens
+        targets = c_ids[where]
+        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        right += (logits.argmax(-1) == targets).sum().item()
+        tokens += targets.numel()
+    model.train(was_training)
+    return {"loss": nll / max(tokens, 1), "accuracy": right / max(tokens, 1), "n": rollout.completion_ids.size(0),
+            "tokens": int(tokens)}

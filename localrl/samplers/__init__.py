@@ -100,6 +100,9 @@ class Sampler(ABC):
     owns: tuple[str, ...] = ()  # config fields that mean something only when it is named (localrl.registry)
     # the objective capabilities it needs (``Objective.samples``, ``group_relative``, ``takes_pairs``), each with why
     needs: dict[str, str] = {}
+    # the dataset types of a data source it reads (``localrl.data.dataset_types``: TRL's, told by the columns); a
+    # source of a type only another sampler reads selects that one, where the objective can train with it
+    reads: tuple[str, ...] = ()
     measure = Measure()  # what its held-out evaluation's accuracy counts (result lines, ``localrl eval``)
 
     def __init__(self, cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None = None):

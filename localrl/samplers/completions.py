@@ -34,6 +34,9 @@ from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
 @samplers.register("completions")
 class Completions(Sampler):
     about = "prompt completions, by torch or llama.cpp (the default)"
+    needs = {"samples": "it samples completions of the prompts"}
+    reads = ("prompt_only",)
+
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)
         self._check = check_reward(cfg.check_reward, cfg.data)  # at weight 0: logged, never trained on

@@ -36,6 +36,7 @@ class Preferences(Sampler):
     about = "preference pairs read from the data, nothing sampled (for objective dpo)"
     measure = Measure("preference accuracy", "pairs", "implicit reward")
     needs = {"takes_pairs": "it hands over fixed pairs"}
+    reads = ("preference", "sessions")
 
     def __init__(self, cfg, rewards=None):
         super().__init__(cfg)

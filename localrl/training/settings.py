@@ -2,7 +2,8 @@
 registered plug-in's checks of its own settings, above the registries (``localrl.config`` holds the fields and
 checks its own; it imports no plug-in).
 
-    build_config(file, overrides)   # defaults < env preset < objective preset < file < flags, then check_config
+    build_config(file, overrides)   # defaults < env preset < objective preset < file < flags, the sampler the
+                                    # data's columns select (typed_data), then check_config
     check_config(cfg)               # the config's own fields, the loss type the objective takes, each plug-in's,
                                     # and what the sampler needs of the objective (capabilities, not names)
     register_named(values)          # the user's plug-ins named package.module:function, so their settings read
@@ -14,11 +15,14 @@ Importing this module registers every built-in plug-in, and so makes their setti
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from localrl.config import FIELDS, TrainConfig, check_fields
+from localrl.config import BUILTIN_TASKS, FIELDS, TrainConfig, check_fields
 from localrl.config_io import config_values, read_toml
+from localrl.data.dataset_types import refuse, source_type
+from localrl.data.sources import Columns, is_missing
 from localrl.envs import environments
 from localrl.errors import UserError
 from localrl.objectives import objectives
@@ -31,12 +35,59 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     """Defaults, the selected plug-ins' presets, then the TOML file, then overrides; checked (``check_config``)."""
     register_named({**(read_toml(file) if file else {}), **(overrides or {})})
     values = config_values(file, overrides)
-    # the objective's preset first: it may choose the environment, whose preset then applies
+    # the objective's preset first: it may choose the environment (unless the user gives data of their own: an
+    # environment's tasks and a source's rows are the two kinds of prompts), whose preset then applies
     for k, v in objectives.preset(values.get("objective", FIELDS["objective"].default)).items():
-        values.setdefault(k, v)
+        if not (k == "env" and "data" in values):
+            values.setdefault(k, v)
     for k, v in environments.preset(values.get("env", FIELDS["env"].default)).items():
         values.setdefault(k, v)
-    return check_config(TrainConfig(**values))
+    return check_config(typed_data(TrainConfig(**values)))
+
+
+def typed_data(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the sampler its data's rows select: a source of one of TRL's dataset types that the sampler the
+    config selects cannot read, and exactly one sampler that reads it and that the objective can train with (TRL too
+    decides from the columns: ``--objective dpo --data prefs.jsonl`` reads the pairs). ``check_data_type`` says it
+    when there is none."""
+    if cfg.sampler:
+        return cfg
+    kind, reads = _data_type(cfg), sampler_for(cfg).reads
+    if kind is None or not reads or kind in reads:  # (a sampler that declares no types: the user's own, unjudged)
+        return cfg
+    usable = _readers(kind, objectives.get(cfg.objective))
+    return replace(cfg, sampler=usable[0]) if len(usable) == 1 else cfg
+
+
+def check_data_type(cfg: TrainConfig) -> None:
+    """Rows of a dataset type the run's sampler does not read are one line naming what would take them: the sampler
+    to name, or the objectives that can train on them (``--objective dpo`` for preference pairs)."""
+    kind, reads = _data_type(cfg), sampler_for(cfg).reads
+    if kind is None or not reads or kind in reads:
+        return
+    objective = objectives.get(cfg.objective)
+    usable = _readers(kind, objective)
+    if usable:
+        raise refuse(cfg.data, kind, f"sampler {samplers.selected(cfg)} does not read them; sampler {usable[0]} "
+                                     f"does (--sampler {usable[0]})")
+    able = sorted(name for name, o in objectives.items() if _readers(kind, o))
+    raise refuse(cfg.data, kind, f"objective {cfg.objective} cannot train on them; " + (
+        f"objectives that can: {', '.join(able)} (--objective {able[0]})" if able else
+        "no objective here takes them"))
+
+
+def _data_type(cfg: TrainConfig) -> str | None:
+    """The dataset type of the run's data source (None: an environment's tasks, a built-in task, a source that is
+    not there, or rows under other column names)."""
+    if cfg.env or cfg.data in BUILTIN_TASKS or is_missing(cfg.data):
+        return None
+    return source_type(cfg.data, Columns.of(cfg))
+
+
+def _readers(kind: str, objective) -> list[str]:
+    """The samplers that read rows of ``kind`` and hand them to an objective that can train with them."""
+    return sorted(name for name, s in samplers.items() if kind in s.reads and
+                  all(getattr(objective, capability, False) for capability in s.needs))
 
 
 def register_named(values: dict[str, Any]) -> None:
@@ -86,6 +137,7 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
                             " (or several, comma-separated)" if several else ""))])
     for registry in (objectives, samplers, environments):
         registry.check_settings(cfg)
+    check_data_type(cfg)
     check_capabilities(cfg)
     return cfg
 
