@@ -33,8 +33,8 @@ trackers = Registry("tracker", "report_to", "localrl.trackers")
 
 
 class Tracker:
-    """One destination of a run's records. ``requires``: the module it imports, found before the run starts
-    (``extra``: the localrl extra that installs it)."""
+    """One destination of a run's records. ``requires``: the modules it imports (comma-separated), found before the
+    run starts (``extra``: the localrl extra that installs them)."""
 
     requires: str = ""
     extra: str = ""
@@ -73,10 +73,10 @@ def check_report_to(report_to: str) -> None:
                         f"once)", field="report_to")
     for name in chosen:
         plugin = trackers.get(name)
-        module = getattr(plugin, "requires", "")
-        if module and importlib.util.find_spec(module.split(".")[0]) is None:
-            raise UserError(f"config field report_to: {name} needs the {module.split('.')[0]} package, which is not "
-                            f"installed: pip install 'localrl[{plugin.extra or name}]'", field="report_to")
+        for module in filter(None, getattr(plugin, "requires", "").split(",")):
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                raise UserError(f"config field report_to: {name} needs the {module.split('.')[0]} package, which is "
+                                f"not installed: pip install 'localrl[{plugin.extra or name}]'", field="report_to")
 
 
 def flatten(record: dict, prefix: str) -> dict[str, float]:
