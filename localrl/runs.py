@@ -56,6 +56,8 @@ ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
 EXPERIENCE = "experience.json"
 LEARNING_CURVE = "learning_curve.png"  # `localrl plot`'s default, and what --report-to logs at the end
 TENSORBOARD = "tensorboard"  # --report-to tensorboard's event files
+# the settings that define the adapter (its tensors' shapes, its scale): a resumed run keeps them
+ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 LOCK = ".lock"  # held (flock) by the process that trains in the directory; it holds that process's pid
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-")
@@ -219,7 +221,13 @@ class Run:
         every field as the run resolved it (presets applied), so it is read as it is; the config's own fields are
         checked here, the plug-ins' settings by the run that uses it (``training.settings.check_config``), whose
         import registers them (``saved`` reads one field without them)."""
+        saved = TrainConfig(**config_values(self.config_path, None))
         cfg = TrainConfig(**config_values(self.config_path, overrides)).validate()
+        for name in ADAPTER_FIELDS:  # the checkpoints' tensors have these shapes: no checkpoint would load
+            if getattr(cfg, name) != getattr(saved, name):
+                raise UserError(f"config field {name}: the run's adapter was trained with {name} "
+                                f"{getattr(saved, name)!r}; a resumed run keeps it (got {getattr(cfg, name)!r}); start "
+                                f"a new run to change it", field=name)
         cfg.run_dir = str(self.path)
         return cfg
 

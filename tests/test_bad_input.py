@@ -244,6 +244,16 @@ def test_a_failed_resume_changes_nothing(trained_run, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # config.toml still the old one
 
 
+@pytest.mark.parametrize("flag, value, saved", [("--lora-rank", "8", "16"), ("--lora-alpha", "8", "32"),
+                                               ("--lora-targets", "q_proj", "'all-linear'")])
+def test_resuming_with_another_adapter_is_one_line_naming_the_field(trained_run, capsys, flag, value, saved):
+    """(With another rank, every checkpoint failed to load in turn, and lora_rank was never named.)"""
+    field = flag[2:].replace("-", "_")
+    line = one_line(capsys, "train", "--resume", trained_run, flag, value)
+    assert line.startswith(f"localrl: error: config field {field}: the run's adapter was trained with {field} {saved}; "
+                           f"a resumed run keeps it"), line
+
+
 def test_a_run_killed_before_its_config_can_be_started_again(tmp_path, capsys, monkeypatch, builtin_model):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"  # what a kill -9 while the model loads leaves

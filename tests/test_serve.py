@@ -4,6 +4,7 @@ import http.client
 import itertools
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -417,6 +418,21 @@ def test_serve_checks_its_flags_in_one_line(tiny_gguf, flags, message):
     assert proc.returncode == 2 and proc.stderr.splitlines() == [f"localrl: error: {message}"], proc.stderr
 
 
+def test_a_context_beyond_the_memory_is_one_line_before_llama_cpp_loads(tiny_gguf):
+    """(llama.cpp tried for seconds, then failed with its own line.)"""
+    proc = _serve_command(tiny_gguf, "--n-ctx", "100000000", env={**_environment(), "LOCALRL_FREE_MEMORY": "8GB"})
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert re.fullmatch(r"localrl: error: serve: --n-ctx 100000000 needs about [\d.]+ GiB \(the weights and a "
+                        r"100000000-token key/value cache of [\d.]+ GiB\), more than the 8\.0 GiB of memory available; "
+                        r"give a smaller --n-ctx \(the model was trained on 256 tokens\)", proc.stderr.strip()), proc.stderr
+
+
+def test_a_host_that_is_no_address_is_one_line_without_the_insecure_warning_first(tiny_gguf):
+    proc = _serve_command(tiny_gguf, "--host", "not a host", "--insecure")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("localrl: error: serve: cannot listen on not a host port 8000 (")
+
+
 def test_serve_reports_a_port_in_use_in_one_line(tiny_gguf):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -753,12 +769,22 @@ def test_a_host_other_than_loopback_without_a_key_is_refused_in_one_line(tiny_gg
     assert proc.stdout == ""
 
 
-def test_insecure_serves_without_a_key_with_a_warning(tmp_path):
-    bad = tmp_path / "x.gguf"  # the file check stops it after the warning, before anything binds
-    bad.write_text("not a model")
-    proc = _serve_command(bad, "--host", "192.0.2.1", "--insecure")
-    assert proc.stdout.startswith("warning: serving on 192.0.2.1 with no API key (--insecure)"), proc.stdout
-    assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
+def test_insecure_serves_without_a_key_with_a_warning(tiny_gguf):
+    """The warning comes once the address is bound (an address that cannot be is one line, without it)."""
+    import selectors
+
+    proc = subprocess.Popen([sys.executable, "-m", "localrl.cli", "serve", str(tiny_gguf), "--host", "0.0.0.0",
+                             "--port", str(_free_port()), "--insecure"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=_environment())
+    try:
+        with selectors.DefaultSelector() as ready:
+            ready.register(proc.stdout, selectors.EVENT_READ)
+            assert ready.select(timeout=60), "no line in 60 s"
+        line = proc.stdout.readline()
+        assert line.startswith("warning: serving on 0.0.0.0 with no API key (--insecure)"), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_loopback_is_told_apart():

@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from localrl.errors import UserError
@@ -84,17 +85,15 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
         if not name.strip() or any(c in name for c in "/@ \t*?[]") or not host_name(name):
             raise UserError(f"serve --allowed-host {name!r}: must be a host name such as myhost.lan (no scheme, path "
                             "or wildcard: name each host)")
-    if not is_loopback(host):  # checked before anything binds
-        if not api_key and not insecure:
-            raise UserError(f"serve: --host {host} is reachable from other machines: require a key "
-                            f"(--api-key-file PATH or {API_KEY_ENV}), or serve it to anyone with --insecure")
-        if not api_key:
-            log(f"warning: serving on {host} with no API key (--insecure): anyone who can reach it can use the model")
+    if not is_loopback(host) and not api_key and not insecure:  # checked before anything binds
+        raise UserError(f"serve: --host {host} is reachable from other machines: require a key "
+                        f"(--api-key-file PATH or {API_KEY_ENV}), or serve it to anyone with --insecure")
     info = read_gguf_info(path)
     p, trained = info.path, info.context_length
     # beyond the training context a small model answers garbage with status 200; within it, llama.cpp's own
     # check turns a longer prompt into a 400
     n_ctx = n_ctx or trained or DEFAULT_N_CTX
+    _check_context_fits(info, n_ctx)
     server_app = require_llama_cpp_server("serve")
     import uvicorn
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -102,6 +101,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     from localrl.serving.bounded_http import bounded_protocol
 
     sock = _bound_socket(host, port)  # before the model loads, and kept, so the port cannot be taken meanwhile
+    if not is_loopback(host) and not api_key:  # (once the address is known to be one: it is bound)
+        log(f"warning: serving on {host} with no API key (--insecure): anyone who can reach it can use the model")
     try:
         server = ServerSettings(host=host, port=port, api_key=api_key or None)
         model = ModelSettings(model=str(p), model_alias=p.stem, n_ctx=n_ctx, verbose=False)
@@ -131,6 +132,25 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
             pass
     finally:
         sock.close()
+
+
+def _check_context_fits(info, n_ctx: int) -> None:
+    """The weights and an ``n_ctx``-token f16 key/value cache (llama-cpp-python's) fit the memory available: else
+    one line before llama.cpp tries (it failed after seconds with its own line)."""
+    from localrl.memory import ModelShape, available_bytes
+
+    try:
+        shape = ModelShape.from_config(info.sizes)
+        cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * n_ctx
+    except (KeyError, TypeError, ZeroDivisionError):  # a header without the sizes: left to llama.cpp
+        return
+    free = available_bytes(SimpleNamespace(type="cpu"))  # (llama.cpp's context lives in the process's memory)
+    need = info.path.stat().st_size + cache
+    if free is not None and need > free:
+        raise UserError(f"serve: --n-ctx {n_ctx} needs about {need / 2**30:.1f} GiB (the weights and a {n_ctx}-token "
+                        f"key/value cache of {cache / 2**30:.1f} GiB), more than the {free / 2**30:.1f} GiB of memory "
+                        f"available; give a smaller --n-ctx (the model was trained on "
+                        f"{info.context_length or 'an unknown number of'} tokens)")
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
