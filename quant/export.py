@@ -172,7 +172,7 @@ def export(source: str | Path, out: str | Path, quant: str = "f16", check: bool 
                             f"in llama.cpp")
                         return result(None, f16_report)
                 phases.start("quantise", f"quantising to {quant} (llama.cpp)")
-                llama_cpp_quantize(f16, tmp, quant)
+                llama_cpp_quantize(f16, tmp, quant, log)
             finally:
                 f16.unlink(missing_ok=True)
         else:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -60,8 +61,19 @@ _PRE_BY_PATTERN = {
 }
 
 
-def llama_cpp_quantize(src: Path, out: Path, quant: str) -> Path:
-    """Quantize the GGUF ``src`` to ``quant`` (a LLAMA_CPP_TYPES name) at ``out`` (atomically) with llama.cpp."""
+# llama.cpp's log line for a tensor whose rows do not divide into the type's blocks (one a tensor, at error level)
+_FALLBACK = re.compile(r"^warning: (\S+)\s+- ncols\s+\d+ not divisible by \d+ \(required for type\s+(\S+)\) "
+                       r"-> falling back to\s+(\S+)\s*$")
+_FALLBACK_COUNT = re.compile(r"^\S+: WARNING: \d+ of \d+ tensor\(s\) required fallback quantization\s*$")
+_ERROR, _CONTINUED = 3, 5  # ggml's log levels
+
+
+def llama_cpp_quantize(src: Path, out: Path, quant: str, log=print) -> Path:
+    """Quantize the GGUF ``src`` to ``quant`` (a LLAMA_CPP_TYPES name) at ``out`` (atomically) with llama.cpp. The
+    line llama.cpp logs for each tensor that fell back to another type is said once instead, in one line (``log``):
+    the types it fell back to, for how many tensors; its other errors are shown as llama-cpp-python shows them."""
+    import ctypes
+
     from localrl.quant.runtime import require_llama_cpp
 
     llama_cpp = require_llama_cpp(f"export to {quant}")
@@ -69,13 +81,44 @@ def llama_cpp_quantize(src: Path, out: Path, quant: str) -> Path:
     params.ftype = LLAMA_CPP_TYPES[quant]
     params.nthread = os.cpu_count() or 1
     tmp = out.with_name(f".tmp-{out.name}")
+    lines: list[list] = []  # [level, text] of each line llama.cpp logs (a line may come in several pieces)
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, user_data) -> None:
+        piece = text.decode("utf-8", "replace")
+        if lines and (level == _CONTINUED or not lines[-1][1].endswith("\n")):
+            lines[-1][1] += piece
+        else:
+            lines.append([level, piece])
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
         if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
             raise RuntimeError(f"llama.cpp could not quantize {src} to {quant}")
         os.replace(tmp, out)
     finally:
+        from llama_cpp import _logger
+
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))  # llama-cpp-python's, as it was
         tmp.unlink(missing_ok=True)
+    fell_back: dict[str, list[str]] = {}
+    for level, text in lines:
+        found = _FALLBACK.match(text)
+        if found:
+            fell_back.setdefault(f"{found.group(2)} -> {found.group(3)}", []).append(found.group(1))
+        elif level == _ERROR and not _FALLBACK_COUNT.match(text):
+            print(text, end="", file=sys.stderr, flush=True)
+    if fell_back:
+        n = sum(map(len, fell_back.values()))
+        log(f"note: {n} tensors' rows do not divide into {quant}'s blocks, so llama.cpp gave them another type: "
+            + "; ".join(f"{kind} for {len(names)} ({_examples(names)})" for kind, names in fell_back.items()))
     return out
+
+
+def _examples(names: list[str]) -> str:
+    """A few tensor names, the layer number of the rest left out (``blk.*.attn_k.weight``)."""
+    kinds = list(dict.fromkeys(re.sub(r"^blk\.\d+\.", "blk.*.", n) for n in names))
+    return ", ".join(kinds[:4]) + (", ..." if len(kinds) > 4 else "")
 
 
 def check_architecture(config) -> None:
