@@ -58,6 +58,18 @@ def resolve_model(name: str, log=print) -> str:
     return name
 
 
+def check_source(name: str) -> None:
+    """The one line ``resolve_model`` (or a GGUF's header) gives for a model that is not there, without converting
+    or loading anything: for a command that says what it will do before it loads the model."""
+    from localrl.quant.gguf_import import gguf_path, is_gguf_source
+    from localrl.quant.gguf_info import read_gguf_info
+
+    if is_gguf_source(name):
+        read_gguf_info(gguf_path(name))
+    else:
+        resolve_model(name)
+
+
 def load_config(name: str):
     """(resolved path or id, transformers config), checked to be a supported architecture."""
     from transformers import AutoConfig

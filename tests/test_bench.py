@@ -115,6 +115,16 @@ def test_bad_bench_flags_are_user_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("which", ["agent-step", "approvals", "distributed", "export", "rollout", "utilisation",
+                                   "world", "memory"])
+def test_a_model_that_is_not_there_is_one_line_before_the_banner(capsys, which):
+    """(The banner came first, and the error after seconds of loading; bench memory's after its table's header.)"""
+    assert main(["bench", which, "--model", "nowhere-model"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, (out, err)
+    assert "nowhere-model" in err and "no such directory, and not a built-in model" in err, err
+
+
 @pytest.mark.slow
 def test_grpo_step_without_trl_is_one_line(tmp_path):
     (tmp_path / "trl").mkdir()

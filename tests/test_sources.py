@@ -165,6 +165,14 @@ def test_a_cached_hub_id_reads_offline(hub_cache, monkeypatch):
     assert datasets.config.HF_HUB_OFFLINE is False  # read offline, the process's own setting left as it was
 
 
+def test_a_missing_held_out_split_names_eval_split(sources):
+    """(It said set --data-split, the flag of the training split, which was there.)"""
+    with pytest.raises(UserError, match=r"^eval_data .*saved: no split 'validation' \(splits: train, test\); set "
+                                        r"--eval-split$") as e:
+        load_task(sources["save_to_disk"], columns=Columns(**{**GSM8K.__dict__, "eval_split": "validation"}))
+    assert e.value.field == "eval_split"
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"prompt_column": "prompt"}, ":row 1: missing 'prompt' (--prompt-column names another); columns: question, answer"),
     ({"data_split": "validation"}, "no split 'validation' (splits: train, test); set --data-split"),

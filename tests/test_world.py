@@ -133,7 +133,8 @@ def test_bad_world_sources_are_one_line_before_anything_runs(tmp_path):
     closed = f"http://127.0.0.1:{free_port()}/v1"
     cases = [("world", r"^config field env: environment 'world' needs its SOURCE: world:SOURCE$"),
              ("world:", r"^config field env: environment 'world' needs its SOURCE: world:SOURCE$"),
-             (f"world:{tmp_path / 'nowhere'}", r"nowhere"),
+             (f"world:{tmp_path / 'nowhere'}", r"^config field env: world model \S+nowhere: no such directory, and "
+                                              r"not a built-in model"),  # (it said model '...': the policy's field)
              (f"world:{closed}", r"^config field env: the world model at http://127\.0\.0\.1:\d+/v1 does not answer")]
     for i, (env, message) in enumerate(cases):
         with pytest.raises(UserError, match=message):

@@ -220,8 +220,9 @@ def _split_of(found, source: str, c: Columns, what: str):
 
     if isinstance(found, datasets.DatasetDict):
         if c.split not in found:
-            raise UserError(f"{what} {source}: no split {c.split!r} (splits: {', '.join(found)}); set --data-split",
-                            field="data_split")
+            field = "eval_split" if what == "eval_data" and c.split == c.eval_split else "data_split"
+            raise UserError(f"{what} {source}: no split {c.split!r} (splits: {', '.join(found)}); set "
+                            f"--{field.replace('_', '-')}", field=field)
         return found[c.split]
     return found
 

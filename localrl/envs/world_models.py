@@ -213,4 +213,10 @@ def open_world_model(source: str, settings=None) -> WorldModel:
         return SandboxWorld()
     if is_endpoint(source):
         return EndpointWorld(source, settings or EndpointSettings())
-    return TorchWorld(source)
+    try:
+        return TorchWorld(source)
+    except UserError as e:  # the model's own line, said of the world model (it named the policy's field)
+        if str(e).startswith("config field env:"):
+            raise
+        said = str(e).removeprefix(f"model {source!r}: ").removeprefix(f"model {source}: ")
+        raise UserError(f"config field env: world model {source}: {said}", field="env") from None

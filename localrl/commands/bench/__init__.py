@@ -56,6 +56,21 @@ def qwen2_model(model_size: str) -> str:
     return "4-bit Qwen2-style model" + (" (tiny, smoke test)" if model_size == "tiny" else "")
 
 
+def check_model(name: str, shapes: bool = False, runs: bool = False) -> None:
+    """A benchmark's model is there (a built-in name, a directory, a GGUF; with ``shapes`` a published shape's name,
+    with ``runs`` a run directory), or one line, before its banner and before anything loads."""
+    from localrl.modeling import check_source
+    from localrl.runs import is_run
+
+    if shapes:
+        from localrl.models.shapes import SHAPES
+
+        if name.lower() in SHAPES:
+            return
+    if not (runs and is_run(name)):
+        check_source(name)
+
+
 def print_json(args: argparse.Namespace, result) -> None:
     if args.json:
         print(json.dumps(result))

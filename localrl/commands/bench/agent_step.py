@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags, sizes
+from localrl.commands.bench import check_model, json_flag, print_json, repeats_flag, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     b, g = sizes(args, prompts=2, group=8)
     if b < 1 or g < 2 or args.repeats < 1:
         raise UserError("bench agent-step: need --prompts >= 1, --group >= 2 and --repeats >= 1")
+    check_model(args.model)
     print(f"agent-step benchmark: one multi-turn GRPO step of {args.model} on the shell environment, {b} "
           f"tasks x G={g} episodes, cpu; update timed as the median of {args.repeats}")
     print_json(args, bench_agent_step(args.model, b, g, repeats=args.repeats))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from localrl.commands.bench import json_flag, print_json
+from localrl.commands.bench import check_model, json_flag, print_json
 from localrl.errors import UserError
 
 LEARNING = {"rpo": "RPO (DPO + the chosen's NLL) for {steps} steps on the sessions' edits",
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"bench approvals --out {args.out}: not an empty directory (its sessions would mix with "
                         f"new ones)")
     out = args.out or tempfile.mkdtemp(prefix="localrl-approvals-")
+    check_model(args.model)
     print(f"approvals benchmark: {args.model} works with a scripted person (rule: {args.rule}; a command it breaks "
           f"is edited to the allowed form) on {args.sessions} training tasks, recorded; "
           f"{LEARNING[args.learn].format(steps=steps)}; before and after on {args.held_out} held-out tasks; kept in "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, repeats_flag, size_flags, sizes
+from localrl.commands.bench import check_model, json_flag, print_json, repeats_flag, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if b < 1 or g < 2 or r < 1 or args.repeats < 1:
         raise UserError("bench distributed: need --prompts >= 1, --group >= 2, --completion-len >= 1 and "
                         "--repeats >= 1")
+    check_model(args.model)
     print(f"distributed benchmark: localrl train of {args.model} under torchrun (gloo), 1 process and then 2, "
           f"each {b} prompts x G={g} x up to {r} tokens a step on one CPU thread; median of "
           f"{args.repeats} steps after a warm-up")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json
+from localrl.commands.bench import check_model, json_flag, print_json
 
 
 def add_parser(benches) -> None:
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     quants = [q.strip() for flag in args.quant for q in flag.split(",") if q.strip()] if args.quant else None
     quants = export_quants(quants)  # unknown names fail here, before anything runs
     which = "every quant type" if args.quant is None else ", ".join(quants)
+    check_model(args.model, runs=True)
     print(f"export benchmark: {args.model} to {which}, as localrl export does it (validated in llama.cpp); "
           "seconds per phase; top-1 at all distinct and at decisive positions; logit difference as a "
           "share of the logit range at the median and the worst position")

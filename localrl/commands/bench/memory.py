@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, size_flags
+from localrl.commands.bench import check_model, json_flag, print_json, size_flags
 from localrl.errors import UserError
 
 
@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     cases = [MemoryCase(args.model, args.quantize, b) for b in (args.budget or [""])] if args.model \
         else list(DEFAULT_CASES)
     cases = [replace(c, **sizes) for c in cases]
+    for case in cases:
+        check_model(case.model, shapes=True)
     print(f"memory benchmark: each phase of one GRPO step in a fresh process, {args.device}; predicted (the "
           f"planner) vs measured peak of the whole process "
           f"({'resident set' if args.device == 'cpu' else 'max_memory_allocated'})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, print_json, size_flags, sizes
+from localrl.commands.bench import check_model, json_flag, print_json, size_flags, sizes
 from localrl.errors import UserError
 
 
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     b, g, r = sizes(args, prompts=2, group=8, completion_len=128)
     if b < 1 or g < 1 or r < 1:
         raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
+    check_model(model)
     print(f"rollout benchmark: {b} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
           f"sampled at temperature 1 with no stop token")
     print_json(args, bench_rollout(model, b, g, r))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from localrl.commands.bench import json_flag, model_size_flag, print_json, size_flags
+from localrl.commands.bench import check_model, json_flag, model_size_flag, print_json, size_flags
 
 
 def add_parser(benches) -> None:
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
              "completion_len": args.completion_len}
     size = StepSize(**{k: getattr(default, k) if v is None else v for k, v in given.items()})
     models = [args.model] if args.model else ["tiny-arith"] if smoke else ["tiny-arith", "smollm2-135m"]
+    for name in models:
+        check_model(name, shapes=True)
     print("utilisation benchmark: the machine's own matrix-product peak, then one GRPO step per model, phase by "
           "phase, as FLOP/s and as a share of that peak (cpu, after a warm-up step)")
     print_json(args, bench_utilisation(models, size, peak_n=256 if smoke else PEAK_N,
