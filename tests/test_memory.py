@@ -300,6 +300,17 @@ def test_a_shape_is_a_model_directory_that_trains(tmp_path):
     assert refused.returncode != 0 and (tmp_path / "mine" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("where", ["a-file/model", "/proc/model"])
+def test_a_shape_written_where_no_directory_can_be_is_one_line_before_it_is_built(tmp_path, capsys, where):
+    """(A PermissionError or FileExistsError traceback after seconds of building the model.)"""
+    from tests.helpers import one_line
+
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / where if not where.startswith("/") else where
+    line = one_line(capsys, "models", "shape", "smollm2-135m", "--out", out)
+    assert line.startswith(f"localrl: error: models shape --out {out}: cannot write in "), line
+
+
 def test_the_run_plan_covers_every_phase_and_names_the_one_that_does_not_fit():
     from localrl.config import TrainConfig
     from localrl.memory import PLAN_MARGIN, MemoryBudget

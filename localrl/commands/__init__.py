@@ -5,6 +5,7 @@ imports the CLI or the terminal UI."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from localrl.errors import UserError
@@ -77,4 +78,9 @@ def replaceable_dir(out: Path, command: str, markers: tuple[str, ...], what: str
     if out.is_dir() and any(out.iterdir()) and not any((out / m).is_file() for m in markers):
         raise UserError(f"{command} --out {out}: holds files that are not {what}; it would replace "
                         f"them (choose an empty or new directory)")
+    parent = out.absolute().parent
+    try:  # the directory is written beside it first, then renamed into place: a place that takes none stops here
+        os.rmdir(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=parent))
+    except OSError as e:
+        raise UserError(f"{command} --out {out}: cannot write in {parent} ({e.strerror or e})") from None
     return out
