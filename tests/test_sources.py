@@ -234,3 +234,64 @@ def test_conversational_prompts_from_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": [], "answer": "1"}]), tmp_path / "empty.parquet")
     with pytest.raises(UserError, match=r"empty.parquet:row 1: 'prompt' must be a string or a list of \{role"):
         read_rows(str(tmp_path / "empty.parquet"))
+
+
+def _key(row: dict) -> str:
+    return json.dumps(row["prompt"], sort_keys=True)
+
+
+def test_held_out_rows_are_never_training_rows_from_any_source(sources, hub_cache):
+    """Every kind of source, with and without a held-out split or file: no held-out prompt is a training prompt
+    (with --eval-split on a file it was: its 'test split' was its own rows, 5 of 5)."""
+    cases = [(name, source, GSM8K, "") for name, source in sources.items()]
+    cases += [("save_to_disk, test split", sources["save_to_disk"], Columns(**{**GSM8K.__dict__, "eval_split": "test"}),
+               ""),
+              ("hub id", hub_cache, Columns(**{**GSM8K.__dict__, "config": "main"}), ""),
+              ("hub id, test split", hub_cache, Columns(**{**GSM8K.__dict__, "config": "main", "eval_split": "test"}),
+               ""),
+              ("eval_data file", sources["arrow"], GSM8K, sources["jsonl"])]  # (the arrow file: the first 50 rows)
+    for name, source, columns, eval_data in cases:
+        task = load_task(source, eval_data, eval_size=100, columns=columns)
+        held, train = {_key(r) for r in task.held_out}, {_key(r) for r in task.rows}
+        assert held and train, name
+        if not eval_data:
+            assert not held & train, name
+        else:  # a separate file of the user's: its rows as they are (which the run's start line states)
+            assert len(held) == 60, name
+    for task_name in ("arith", "words", "drafts"):  # generated: the held-out problems are never drawn for training
+        from localrl.data import GENERATORS
+        import random
+
+        task = load_task(task_name, eval_size=50)
+        drawn = {_key({"prompt": p.question}) for p in GENERATORS[task_name].sample_problems(random.Random(1), 2000)}
+        assert not {_key(r) for r in task.held_out} & drawn, task_name
+
+
+def test_held_out_pairs_and_demonstrations_are_never_trained_on(tmp_path):
+    from localrl.config import TrainConfig
+    from localrl.samplers.demonstrations import Demonstrations
+    from localrl.samplers.preferences import Preferences
+    from tests.helpers import write_demonstrations, write_pairs
+
+    for sampler, data in ((Preferences, write_pairs(tmp_path / "pairs.jsonl", 60)),
+                          (Demonstrations, write_demonstrations(tmp_path / "demos.jsonl", 60))):
+        s = sampler(TrainConfig(data=data, eval_size=20))
+        s.prepare(None)
+        held, train = {_key(r) for r in s.task.held_out}, {_key(r) for r in s.task.rows}
+        assert len(held) == 6 and train and not held & train, sampler.__name__
+
+
+def test_a_held_out_file_that_repeats_training_rows_is_said_in_the_runs_first_lines(sources, builtin_model):
+    import torch
+
+    from localrl.modeling import load_config, load_tokenizer
+    from localrl.samplers import ModelInfo
+    from localrl.samplers.completions import Completions
+
+    path, config = load_config(str(builtin_model))
+    info = ModelInfo(path, config, load_tokenizer(path), None, torch.device("cpu"))
+    fields = {"data": sources["jsonl"], "prompt_column": "question", "answer_format": "gsm8k", "eval_size": 5,
+              "rollout": "torch"}
+    plan = Completions(build_config(None, {**fields, "eval_data": sources["jsonl"]})).prepare(info)
+    assert plan.why.endswith(f"; note: 5 of the 5 held-out rows ({sources['jsonl']}) have a training row's prompt")
+    assert "note:" not in Completions(build_config(None, fields)).prepare(info).why  # (a seeded tenth: none)

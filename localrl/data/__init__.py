@@ -15,6 +15,7 @@ never added to the rows, so rewards see the prompts as the data has them.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -140,6 +141,15 @@ def check_splits(data: str, eval_data: str, columns: Columns) -> None:
         raise UserError(f"config field eval_split: {field} {held} is {kind(held)}, which has no splits: give its "
                         f"held-out rows as --eval-data FILE, or leave eval_split empty (a seeded tenth of the rows "
                         f"held out, never trained on)", field="eval_split")
+
+
+def shared_prompts(task: Task) -> int:
+    """How many of ``task``'s held-out rows have a training row's prompt (a held-out file or split of the user's may
+    repeat training rows; a seeded tenth of one source never does): what the run's first lines then say."""
+    if task.rows is None:
+        return 0
+    trained = {json.dumps(r["prompt"], sort_keys=True) for r in task.rows}
+    return sum(json.dumps(r["prompt"], sort_keys=True) in trained for r in task.held_out)
 
 
 def held_out_split(rows: list, eval_size: int) -> tuple[list, list]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from localrl.config import check_fields
-from localrl.data import Task, check_reward, load_task, system_prompt
+from localrl.data import Task, check_reward, load_task, shared_prompts, system_prompt
 from localrl.data.monitors import reward_shares
 from localrl.data.rewards import combine, config_rewards, overlong_punishment, reward_names, reward_stats, score
 from localrl.data.sources import Columns, check_answer_format
@@ -91,6 +91,9 @@ class Completions(Sampler):
         self.task = load_task(cfg.data, cfg.eval_data, cfg.eval_size, fits, system, Columns.of(cfg))
         self._probe_rewards((self.task.held_out or self.task.sample(0, 2, cfg.seed))[:2])
         self.backend, why = self.choose_backend(info)
+        if shared := shared_prompts(self.task):
+            why += (f"; note: {shared} of the {len(self.task.held_out)} held-out rows "
+                    f"({cfg.eval_data or 'split ' + cfg.eval_split}) have a training row's prompt")
         self.model_path = info.path
         extra = 0
         if self.backend == "llama.cpp":  # llama.cpp's copy of the weights and its context live in this process
