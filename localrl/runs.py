@@ -56,6 +56,9 @@ ADAPTER_CONFIG = "adapter_config.json"  # and for its LoRA settings
 EXPERIENCE = "experience.json"
 LEARNING_CURVE = "learning_curve.png"  # `localrl plot`'s default, and what --report-to logs at the end
 TENSORBOARD = "tensorboard"  # --report-to tensorboard's event files
+WANDB = "wandb"  # --report-to wandb's offline runs
+MLFLOW_STORE = "mlflow.db"  # --report-to mlflow's SQLite store
+MLFLOW_ARTIFACTS = "mlflow-artifacts"  # and its artifacts
 # the settings that define the adapter (its tensors' shapes, its scale): a resumed run keeps them
 ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 LOCK = ".lock"  # held (flock) by the process that trains in the directory; it holds that process's pid
@@ -93,6 +96,18 @@ class Run:
     @property
     def tensorboard_dir(self) -> Path:
         return self.path / TENSORBOARD
+
+    @property
+    def wandb_dir(self) -> Path:
+        return self.path / WANDB
+
+    @property
+    def mlflow_store(self) -> Path:
+        return self.path / MLFLOW_STORE
+
+    @property
+    def mlflow_artifacts_dir(self) -> Path:
+        return self.path / MLFLOW_ARTIFACTS
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -36,12 +36,12 @@ class MLflow(Tracker):
         for name in ("mlflow", "alembic"):  # their store's set-up lines would break the progress bar's
             logging.getLogger(name).setLevel(logging.WARNING)
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run.path.resolve() / 'mlflow.db'}"
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run.mlflow_store.resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
-            name, artifact_location=(run.path.resolve() / "mlflow-artifacts").as_uri())
+            name, artifact_location=run.mlflow_artifacts_dir.resolve().as_uri())
         path = str(run.path.resolve())
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{path}'",
                                         max_results=1) if first_step else []
@@ -64,7 +64,7 @@ class MLflow(Tracker):
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self.client.log_text(self.run_id, text, f"{tag}s/step-{step:06d}-{time.time_ns()}.txt")
+        self.client.log_text(self.run_id, text, f"{tag}s/{step:06d}-{time.time_ns()}.txt")  # (at step, then when)
 
     def image(self, tag: str, png: Path, step: int) -> None:
         self.client.log_artifact(self.run_id, str(png))

@@ -37,7 +37,7 @@ class WandB(Tracker):
 
         self.wandb = wandb
         mode = os.environ.get("WANDB_MODE") or "offline"
-        self.path = run.path / "wandb"
+        self.path = run.wandb_dir  # (W&B writes into DIR/wandb)
         self.path.mkdir(exist_ok=True)
         settings = wandb.Settings(mode=mode, console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   disable_git=True, save_code=False)
