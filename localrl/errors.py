@@ -23,6 +23,14 @@ class UserError(Exception):
         self.field = field
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """An exception's message cut to its first line (at most ``limit`` characters; its type's name where it has no
+    message), for a one-line error that quotes it."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line[:limit] if limit else line
+
+
 def out_of_space(e: BaseException) -> bool:
     """Whether ``e`` says a write found no room: ENOSPC or EDQUOT, or the way numpy ("N requested and M
     written"), torch ("file write failed") and safetensors ("os error 28") report it."""

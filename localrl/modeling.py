@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from localrl import precision
-from localrl.errors import UserError
+from localrl.errors import UserError, first_line
 from localrl.models import builtin_names, builtin_path
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,7 +83,7 @@ def load_config(name: str):
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         if local:
-            raise UserError(f"model {name!r}: cannot read config.json ({_first_line(e)})", field="model") from None
+            raise UserError(f"model {name!r}: cannot read config.json ({first_line(e)})", field="model") from None
         raise UserError(f"model {name!r}: not found locally and could not be fetched from the Hugging Face Hub "
                         f"(offline or no such repo)", field="model") from None
     if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -194,7 +194,7 @@ def _from_pretrained(path: str, **kwargs):
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # damaged or mismatched weight files
         if not Path(path).exists():
             raise
-        raise UserError(f"model {path}: cannot load its weights ({_first_line(e)})", field="model") from None
+        raise UserError(f"model {path}: cannot load its weights ({first_line(e)})", field="model") from None
 
 
 # -- weight files ------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def check_weights(path: str | Path) -> None:
                 header = json.loads(fh.read(n))
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
         except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
-            raise UserError(f"model {path}: {f.name} is not a readable safetensors file ({_first_line(e)})",
+            raise UserError(f"model {path}: {f.name} is not a readable safetensors file ({first_line(e)})",
                             field="model") from None
         if 8 + n + end > size:
             raise UserError(f"model {path}: {f.name} is truncated ({size} bytes, its header needs {8 + n + end})",
@@ -250,11 +250,6 @@ def weights_fingerprint(path: str | Path, samples: int = 64, chunk: int = 1 << 1
                 fh.seek(i * (size - chunk) // (samples - 1))
                 h.update(fh.read(chunk))
     return h.hexdigest()
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def default_4bit(quantize: str, device: torch.device) -> bool:
@@ -283,7 +278,7 @@ def load_policy(cfg, device: torch.device, in_4bit: bool | None = None):
     try:
         model = get_peft_model(base, lora)
     except ValueError as e:
-        raise UserError(f"config field lora_targets: {_first_line(e)}", field="lora_targets") from None
+        raise UserError(f"config field lora_targets: {first_line(e)}", field="lora_targets") from None
     return model, tok
 
 

@@ -43,7 +43,7 @@ import torch
 from localrl.atomic import atomic_dir, write_text_atomic
 from localrl.config import FIELDS, TrainConfig
 from localrl.config_io import coerce, config_values, read_toml, to_toml
-from localrl.errors import UserError, out_of_space
+from localrl.errors import UserError, first_line, out_of_space
 from localrl.metrics import read_metrics
 
 CONFIG = "config.toml"
@@ -322,7 +322,7 @@ class Run:
                 raise
             last = self.latest_checkpoint()
             raise UserError(f"could not write checkpoint {final.name} in {self.checkpoints_dir} "
-                            f"({_first_line(e)}; {_free_space(self.path)}); the last good checkpoint is "
+                            f"({first_line(e)}; {_free_space(self.path)}); the last good checkpoint is "
                             f"{last or 'none yet'}, and nothing half-written was left") from None
         for old in self.checkpoints()[:-keep]:
             # rename first: a kill mid-delete leaves a .old-* leftover, never a step-* without its files
@@ -373,7 +373,7 @@ class Run:
         try:
             model = PeftModel.from_pretrained(base, str(ckpt))
         except Exception as e:  # a damaged adapter: one line, not a traceback
-            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({_first_line(e)})") from None
+            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({first_line(e)})") from None
         return model, tok, ckpt
 
     def load_merged(self, check: Callable | None = None):
@@ -392,7 +392,7 @@ class Run:
         try:
             model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
         except Exception as e:
-            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({_first_line(e)})") from None
+            raise UserError(f"run {self.path}: adapter {ckpt.name} cannot be loaded ({first_line(e)})") from None
         return model.eval(), tok, Path(path), f"adapter {ckpt} merged onto the full-precision (float32) base {path}"
 
     def _require_checkpoint(self) -> Path:
@@ -466,7 +466,7 @@ def load_adapter_weights(model, source: Path) -> None:
     try:
         _set_adapter(model, load_file(str(source / ADAPTER_FILE)))
     except Exception as e:
-        raise UserError(f"config field init_adapter: {source}: does not fit this model's adapter ({_first_line(e)}; "
+        raise UserError(f"config field init_adapter: {source}: does not fit this model's adapter ({first_line(e)}; "
                         f"were its lora_targets the same?)", field="init_adapter") from None
 
 
@@ -516,7 +516,7 @@ def _load_checkpoint(ckpt: Path, model, optimizer, run_state: dict | None = None
             _set_adapter(model, weights, name)
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:  # a damaged file must stop resume with one line, not a traceback
-        raise UserError(f"checkpoint {ckpt}: cannot be loaded ({_first_line(e)})") from None
+        raise UserError(f"checkpoint {ckpt}: cannot be loaded ({first_line(e)})") from None
     if run_state is not None:
         run_state.update(state.get("run_state", {}))
     random.setstate(state["rng"]["python"])
@@ -542,8 +542,3 @@ def _free_space(path: Path) -> str:
         return f"{shutil.disk_usage(path).free / 2**20:.1f} MB free there"
     except OSError:
         return "free space unknown"
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

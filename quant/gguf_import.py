@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from localrl.atomic import atomic_dir
-from localrl.errors import UserError
+from localrl.errors import UserError, first_line
 from localrl.quant.gguf_info import read_gguf_info, read_header
 
 OLLAMA_PREFIX = "ollama:"
@@ -121,7 +121,7 @@ def _convert(path: Path, out: Path, log) -> None:
         tok = AutoTokenizer.from_pretrained(path.parent, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # an architecture transformers cannot read
-        raise UserError(f"model {path}: transformers cannot read this GGUF ({_first_line(e)})", field="model") \
+        raise UserError(f"model {path}: transformers cannot read this GGUF ({first_line(e)})", field="model") \
             from None
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -173,8 +173,3 @@ def _check_tokenizer(path: Path, tok, log) -> None:
     if differ:
         log(f"warning: the converted tokenizer splits {len(differ)} of {len(PROBES)} probe texts differently "
             f"from llama.cpp on the original file (first: {differ[0][:30]!r})")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

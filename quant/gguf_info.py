@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrl.errors import UserError
+from localrl.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
         header = read_header(p)
         arch = str(header.fields["general.architecture"])
     except Exception as e:  # struct, unicode and key errors on damaged headers
-        raise UserError(f"model {p}: damaged or truncated GGUF ({_first_line(e)})") from None
+        raise UserError(f"model {p}: damaged or truncated GGUF ({first_line(e)})") from None
     size = p.stat().st_size
     if header.end > size:
         raise UserError(f"model {p}: truncated GGUF ({size} bytes, its tensors need {header.end})")
@@ -160,8 +160,3 @@ def _sizes(header: GGUFHeader, arch: str) -> dict:
              "tie_word_embeddings": "output.weight" not in header.tensors,
              "max_position_embeddings": get("context_length")}
     return {k: v for k, v in sizes.items() if v is not None}
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -24,7 +24,7 @@ import regex
 
 from localrl.config import BUILTIN_TASKS
 from localrl.data.jsonl import check_prompt, json_objects
-from localrl.errors import UserError
+from localrl.errors import UserError, first_line
 
 FILE_FORMATS = (".jsonl", ".parquet", ".csv", ".json", ".arrow")
 ANSWER_FORMATS = ("", "gsm8k", "last-number")  # or "regex:PATTERN"
@@ -209,7 +209,7 @@ def _table_rows(path: Path, suffix: str) -> Iterator[tuple[str, dict]]:
         else:
             table = datasets.Dataset.from_file(str(path)).data.table
     except Exception as e:  # pyarrow's and datasets' errors for a file that is not what its name says
-        raise UserError(f"{path}: not a readable {suffix[1:]} file ({str(e).splitlines()[0][:160]})") from None
+        raise UserError(f"{path}: not a readable {suffix[1:]} file ({first_line(e, 160)})") from None
     for i, row in enumerate(table.to_pylist(), start=1):
         yield f"{path}:row {i}", row
 
@@ -236,7 +236,7 @@ def _disk_rows(path: Path, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
         raise UserError(f"{what} {path}: a directory, but not one datasets' save_to_disk wrote") from None
     except (ValueError, OSError) as e:  # a damaged state.json (JSON), a cut .arrow file (Arrow's ValueError, OSError)
         raise UserError(f"{what} {path}: a save_to_disk directory that cannot be read ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:160]})") from None
+                        f"{first_line(e, 160)})") from None
     for i, row in enumerate(rows, start=1):
         yield f"{path}:row {i}", row
 
@@ -248,7 +248,7 @@ def _hub_rows(source: str, c: Columns, what: str) -> Iterator[tuple[str, dict]]:
     try:
         found = datasets.load_dataset(source, c.config or None)
     except (ConnectionError, FileNotFoundError, ValueError) as e:
-        first = str(e).splitlines()[0]
+        first = first_line(e)
         configs = re.search(r"Available configs in the cache: (\[.*\])", str(e))
         if configs:
             raise UserError(f"{what} {source}: no config {c.config or '(default)'!r} in the local cache (cached: "

@@ -30,7 +30,7 @@ from localrl.config import TrainConfig
 from localrl.data.monitors import FLAT_STEPS_WARNING, HackingMonitor, no_signal_message
 from localrl.data.rewards import RewardFn, resolve_rewards
 from localrl.distributed import World, init_from_env, pool_records, rank_device, world
-from localrl.errors import UserError
+from localrl.errors import UserError, first_line
 from localrl.generation.rollout import stop_token_ids
 from localrl.heap import return_freed_memory
 from localrl.memory import MemoryBudget, ModelShape, check_conversion, choose_4bit
@@ -256,7 +256,7 @@ def train(cfg: TrainConfig, rewards: tuple[list[RewardFn], list[float]] | None =
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not _is_out_of_memory(e):
                         raise
-                    raise UserError(f"step {step + 1}: out of memory ({_first_line(e)}); lower group_size, "
+                    raise UserError(f"step {step + 1}: out of memory ({first_line(e)}); lower group_size, "
                                     f"prompts_per_step or max_new_tokens, or set memory_budget; --resume "
                                     f"{run.path} continues from the last checkpoint") from None
                 except UserError as e:
@@ -342,8 +342,3 @@ def _open_run(cfg: TrainConfig, base: dict, resume: bool, w: World, log) -> Run:
 def _is_out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
