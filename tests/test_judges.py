@@ -125,6 +125,20 @@ def test_training_free_grpo_stops_in_one_line_when_its_judge_fails_every_request
     assert 0 < len(steps) < 30 and all(r["judge_failed"] == r["judge_requests"] for r in steps)
 
 
+def test_training_free_grpo_stops_in_one_line_when_its_judge_answers_only_in_prose(builtin_model, tmp_path, capsys):
+    from localrl.objectives.experience import PROSE_IN_A_ROW
+    from tests.helpers import one_line
+
+    with ScriptedJudge(lambda messages: "Both answers look reasonable to me.") as judge:
+        line = one_line(capsys, "train", "--objective", "experience", "--experience-judge",
+                        f"{judge.url}|{ScriptedJudge.MODEL}", "--steps", "40", "--prompts-per-step", "8",
+                        "--group-size", "4", "--max-new-tokens", "48", "--eval-size", "0", "--run-dir", tmp_path / "run")
+    assert line == (f"localrl: error: config field experience_judge: the judge's last {PROSE_IN_A_ROW} replies held no "
+                    f"edit (a line ADD, MODIFY, DELETE or KEEP), so the library cannot learn; the last: 'Both answers "
+                    f"look reasonable to me.' (a judge that follows the format: a larger model, or an endpoint)")
+    assert 0 < len(train_records(tmp_path / "run")) < 40
+
+
 def test_training_free_grpo_with_a_judge_behind_an_endpoint(builtin_model, tmp_path):
     """The scripted judge writes the two hand-written lessons into the library, as far as the room the prompt keeps
     for them allows (the built-in model's tokens are characters: in 160 of them, the first lesson, 169 tokens with

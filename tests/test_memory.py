@@ -378,3 +378,15 @@ def test_the_experience_judge_is_planned_as_a_phase_of_its_own():
     # the policy as its own judge: no weights added, the same requests
     itself = MemoryBudget.for_run(cfg, small, 200, cpu, False, phase=replace(judge, shape=small, weights=0))
     assert itself.base == MemoryBudget(small, cfg, cpu, False).base and itself.extra_at_once() == 16
+
+
+def test_a_run_started_by_a_larger_process_reports_its_own_peak():
+    """getrusage's ru_maxrss of a process started by a larger one is at least the parent's (a run launched from a
+    3.8 GB test worker read 3.8 GB); the peak a run records is its own."""
+    held = bytearray(1536 << 20)  # 1.5 GiB, resident (bytearray writes its zeroes)
+    code = ("import resource, torch; from localrl.memory import peak_memory_mb; "
+            "print(peak_memory_mb(torch.device('cpu')), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    peak, maxrss = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                              check=True).stdout.split())
+    del held
+    assert peak < 1024 < maxrss, (peak, maxrss)  # (the child itself, torch imported: a few hundred MB)

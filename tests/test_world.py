@@ -228,3 +228,19 @@ def test_a_real_tree_is_read_at_any_depth_and_through_no_link(tmp_path):
     finally:  # pytest's own clean-up of its temporary directories recurses, and would fail on this tree
         assert remove_tree(root)
     assert tree == {"a/" * 1100 + "f": "deep\n", "empty/": ""}
+
+
+def test_a_world_model_endpoint_that_fails_every_request_stops_the_run_in_one_line(tmp_path, capsys):
+    """Its first answer passes the start's probe; every request after it fails (HTTP 500): the run stops after the
+    stated number in a row, naming the world model and its last error (before, each was a counted NO_REPLY)."""
+    from localrl.generation.endpoint import FAILURES_IN_A_ROW
+    from tests.helpers import ScriptedJudge, run_cli
+
+    with ScriptedJudge(lambda messages: answer("", {}, {}), fail=[200] + [500] * 10_000) as world:
+        code, err = run_cli(capsys, "train", "--env", f"world:{world.url}|{ScriptedJudge.MODEL}", "--judge-retries",
+                            "0", "--steps", "5", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "0",
+                            "--run-dir", tmp_path / "run")
+    # the first failure's warning (said once a run), then the stop
+    assert code == 2 and len(err) == 2 and err[0].startswith("localrl: warning: world model http"), err
+    assert err[1].startswith("localrl: error: config field env: the world model at http://127.0.0.1:") and \
+        f"failed {FAILURES_IN_A_ROW} requests in a row, each after 0 retries (the last: " in err[1], err

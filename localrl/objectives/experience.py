@@ -19,6 +19,10 @@ from localrl.policy.experience import (MAX_LESSON_CHARS, EndpointJudge, Experien
                                        library_tokens, parse_edits, question_text, reply_start, token_room)
 
 
+# the judge's replies in a row without a single edit line (prose) that stop the run in one line
+PROSE_IN_A_ROW = 32
+
+
 @dataclass
 class ExperienceSettings:
     """training-free GRPO: the lessons and their judge"""
@@ -49,6 +53,7 @@ class Experience(Objective):
         self.judge: Judge | EndpointJudge | None = None
         self.endpoint: Endpoint | None = None  # the judge behind an HTTP endpoint (experience_judge = http://...)
         self.room = 0  # tokens the lessons may take in each prompt (0: unbounded)
+        self.prose = 0  # the judge's replies in a row that held no edit line at all
 
     @staticmethod
     def check_selected(cfg) -> None:
@@ -152,7 +157,14 @@ class Experience(Objective):
         replies = self.judge(requests, reply_start(library))
         changed = invalid = 0
         for reply in filter(None, replies):
-            c, i = library.apply(parse_edits(reply))
+            edits = parse_edits(reply)
+            self.prose = 0 if edits else self.prose + 1
+            if self.prose >= PROSE_IN_A_ROW:  # a run that can never learn a lesson is said, not left to exit 0
+                raise UserError(f"config field experience_judge: the judge's last {self.prose} replies held no edit "
+                                f"(a line ADD, MODIFY, DELETE or KEEP), so the library cannot learn; the last: "
+                                f"{' '.join(reply.split())[:100]!r} (a judge that follows the format: a larger "
+                                f"model, or an endpoint)", field="experience_judge")
+            c, i = library.apply(edits)
             changed, invalid = changed + c, invalid + i
         groups = batch.rewards.view(-1, g)
         flat = (groups == groups[:, :1]).all(dim=1).float().mean().item()  # groups whose rewards are all alike
