@@ -270,12 +270,13 @@ def test_the_real_model_trains_on_a_gsm8k_shaped_parquet_file(real_gguf, tmp_pat
 def test_the_real_model_learns_trls_prompt_completion_rows_within_a_3gb_budget(real_gguf, tmp_path):
     """`localrl sft --data FILE` of prompt-completion rows (the columns select the demonstrations sampler): the
     built-in task's sums answered without working; held-out token accuracy rises (measured 36.0% -> 77.3% in 10 steps
-    of 8, 19 s, 1.57 GiB resident), the whole run's peak under the budget."""
+    of 8, 19 s, 1.57 GiB resident; here, 4 steps and 10 held out: 36.6% -> 67.3%, 14 s, 1.53 GiB), the whole run's
+    peak under the budget."""
     from tests.helpers import write_demonstrations
 
     data = write_demonstrations(tmp_path / "demos.jsonl", 200)
     proc = subprocess.run([sys.executable, "-m", "localrl", "sft", "--model", str(real_gguf), "--data", data, "--steps",
-                           "6", "--prompts-per-step", "8", "--lr", "5e-4", "--eval-size", "20", "--memory-budget", "3GB",
+                           "4", "--prompts-per-step", "8", "--lr", "5e-4", "--eval-size", "10", "--memory-budget", "3GB",
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]  # (a process of its own: its peak is the run's alone)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
