@@ -90,6 +90,10 @@ class ModelShape:
         """Every layer's linear weights and the embedding (and the output head, when not tied); norms left out."""
         return self.linear_params_per_layer * self.layers + self.vocab * self.hidden * (1 if self.tied else 2)
 
+    def kv_bytes(self, tokens: int, dtype_bytes: int = 2) -> int:
+        """A key/value cache of ``tokens`` cells over every layer (f16 by default, as llama.cpp's)."""
+        return 2 * self.kv_heads * self.head_dim * dtype_bytes * self.layers * tokens
+
     def lora_params(self, rank: int) -> int:
         d, qd, kvd, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         per_layer = rank * ((d + qd) + 2 * (d + kvd) + (qd + d) + 2 * (d + i) + (i + d))
@@ -297,8 +301,7 @@ def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
     a context of ``tokens`` f16 key/value cells for each of ``rows`` sequences, and float32 logits of a
     512-token batch."""
     weights = 2 * shape.matrix_params
-    cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * rows * tokens
-    return int(weights + cache + 512 * shape.vocab * 4)
+    return int(weights + shape.kv_bytes(rows * tokens) + 512 * shape.vocab * 4)
 
 
 @dataclass(frozen=True)

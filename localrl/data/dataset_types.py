@@ -19,6 +19,9 @@ whatever else it holds (a ``completion`` beside it is a column the rewards see).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from localrl.agent.session_log import FILE as SESSIONS
 from localrl.data.sources import Columns, raw_rows
 from localrl.errors import UserError
 
@@ -63,10 +66,6 @@ _seen: dict[tuple, str | None] = {}
 def source_type(source: str, columns: Columns = Columns(), what: str = "data") -> str | None:
     """The dataset type of ``source``'s first row (None: no rows, or none TRL names); a source that cannot be read
     is one line, as reading it would be. Remembered for the process (the config is checked more than once)."""
-    from pathlib import Path
-
-    from localrl.agent.session_log import FILE as SESSIONS
-
     path = Path(source)
     if (path / SESSIONS).is_file():  # a directory ``localrl agent --record`` wrote
         path = path / SESSIONS

@@ -205,8 +205,9 @@ class SandboxWorld:
         pass
 
 
-def open_world_model(source: str, settings=None) -> WorldModel:
-    """The world model ``source`` names (an endpoint's requests as ``settings``: an ``EndpointSettings``)."""
+def open_world_model(source: str, settings=None, where: str = "") -> WorldModel:
+    """The world model ``source`` names (an endpoint's requests as ``settings``: an ``EndpointSettings``); a model
+    that cannot be loaded is one line starting with ``where`` (default: the env field's world model)."""
     from localrl.generation.endpoint import EndpointSettings, is_endpoint
 
     if source == "sandbox":
@@ -219,4 +220,5 @@ def open_world_model(source: str, settings=None) -> WorldModel:
         if str(e).startswith("config field env:"):
             raise
         said = str(e).removeprefix(f"model {source!r}: ").removeprefix(f"model {source}: ")
-        raise UserError(f"config field env: world model {source}: {said}", field="env") from None
+        raise UserError(f"{where or f'config field env: world model {source}'}: {said}",
+                        field=None if where else "env") from None

@@ -27,8 +27,9 @@ import torch
 
 from localrl.config import TrainConfig
 from localrl.envs import EnvSetup
+from localrl.errors import UserError
 from localrl.generation.agent_rollout import TurnFormat
-from localrl.generation.rollout import Rollout, left_pad
+from localrl.generation.rollout import Rollout, left_pad, stop_token_ids
 from localrl.policy.grpo import row_slices
 from localrl.policy.shared_prompt import ConcatForward, split_model
 
@@ -61,6 +62,15 @@ def end_of_turn(fmt: TurnFormat, stop_ids: list[int]) -> int:
     message where that stops sampling (``<|im_end|>``, ``<|eot_id|>``), else the first stop token."""
     closing = fmt.tok(fmt.close, add_special_tokens=False)["input_ids"]
     return closing[0] if closing and closing[0] in stop_ids else stop_ids[0]
+
+
+def completion_end(tok, model) -> int:
+    """The token that ends a completion handed over as text (a pair's, a demonstration's): the end of an assistant
+    turn, or the first stop token for a template that rewrites earlier turns."""
+    try:
+        return end_of_turn(TurnFormat(tok, None), stop_token_ids(tok, model))
+    except UserError:
+        return stop_token_ids(tok, model)[0]
 
 
 def episode_tokens(fmt: TurnFormat, instruction: str, turns: list[tuple[str, str]], end_id: int,

@@ -20,9 +20,8 @@ from localrl.data import Task, held_out_split, system_prompt
 from localrl.data.demonstrations import read_demonstrations
 from localrl.data.sources import is_missing
 from localrl.errors import UserError
-from localrl.generation.agent_rollout import TurnFormat
-from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad, stop_token_ids
-from localrl.policy.sft import demo_scores, end_of_turn
+from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad
+from localrl.policy.sft import completion_end, demo_scores
 from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 
 
@@ -66,10 +65,7 @@ class Demonstrations(Sampler):
                     f"sampled)", rows_per_prompt=1)
 
     def start(self, model, tok, budget) -> None:
-        try:
-            self.end_id = end_of_turn(TurnFormat(tok, None), stop_token_ids(tok, model))
-        except UserError:  # a template that rewrites earlier turns: the first stop token ends a completion
-            self.end_id = stop_token_ids(tok, model)[0]
+        self.end_id = completion_end(tok, model)
 
     @property
     def held_out(self) -> list:

@@ -24,10 +24,9 @@ from localrl.data import GENERATORS, Task, held_out_split, system_prompt
 from localrl.data.preferences import builtin_pair, is_session, preference_row, session_pairs
 from localrl.data.sources import Columns, is_missing, raw_rows
 from localrl.errors import UserError
-from localrl.generation.agent_rollout import TurnFormat
-from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad, stop_token_ids
+from localrl.generation.rollout import Rollout, encode_prompts, left_pad, right_pad
 from localrl.policy.dpo import preference_accuracy
-from localrl.policy.sft import end_of_turn
+from localrl.policy.sft import completion_end
 from localrl.samplers import Batch, Measure, ModelInfo, Plan, Sampler, samplers
 
 
@@ -108,10 +107,7 @@ class Preferences(Sampler):
         return rows
 
     def start(self, model, tok, budget) -> None:
-        try:
-            self.end_id = end_of_turn(TurnFormat(tok, None), stop_token_ids(tok, model))
-        except UserError:  # a template that rewrites earlier turns: the first stop token ends a completion
-            self.end_id = stop_token_ids(tok, model)[0]
+        self.end_id = completion_end(tok, model)
 
     @property
     def held_out(self) -> list:

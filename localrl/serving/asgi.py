@@ -38,6 +38,16 @@ async def read_body(receive, limit: int | None = None) -> bytes | None:
     return b"".join(chunks)
 
 
+def json_object(body: bytes) -> dict | None:
+    """A request body as the JSON object it holds; None for one that is not JSON or not an object (the request
+    models refuse it later, in their own words)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    return request if isinstance(request, dict) else None
+
+
 def replayer(body: bytes, receive):
     """A ``receive`` for the app that gives ``body`` first, then whatever the client sends next."""
     replayed = False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from localrl.serving.asgi import CHAT, error_body, read_body, replayer, send_json
+from localrl.serving.asgi import CHAT, error_body, json_object, read_body, replayer, send_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 NEEDS_CONTENT = ("system", "user", "tool")  # (after developer and function are renamed)
@@ -151,11 +151,8 @@ class NormaliseMessages:
         if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") != CHAT:
             return await self.app(scope, receive, send)
         body = await read_body(receive)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        messages = request.get("messages") if isinstance(request, dict) else None
+        request = json_object(body)
+        messages = request.get("messages") if request is not None else None
         if isinstance(messages, list):
             try:
                 normalised = normalise(messages)

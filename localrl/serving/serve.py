@@ -140,8 +140,7 @@ def _check_context_fits(info, n_ctx: int) -> None:
     from localrl.memory import ModelShape, available_bytes
 
     try:
-        shape = ModelShape.from_config(info.sizes)
-        cache = 2 * shape.kv_heads * shape.head_dim * 2 * shape.layers * n_ctx
+        cache = ModelShape.from_config(info.sizes).kv_bytes(n_ctx)
     except (KeyError, TypeError, ZeroDivisionError):  # a header without the sizes: left to llama.cpp
         return
     free = available_bytes(SimpleNamespace(type="cpu"))  # (llama.cpp's context lives in the process's memory)

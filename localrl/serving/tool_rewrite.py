@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from localrl.agent.tool_calls import parse_calls, tool_response, without_tool_calls
-from localrl.serving.asgi import CHAT, read_body, replayer
+from localrl.serving.asgi import CHAT, json_object, read_body, replayer
 
 class ToolMessages:
     """ASGI middleware: the messages of an OpenAI tool loop as the model learned them. A client sends back the
@@ -30,11 +30,8 @@ class ToolMessages:
         if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") != CHAT:
             return await self.app(scope, receive, send)
         body = await read_body(receive)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        messages = request.get("messages") if isinstance(request, dict) else None
+        request = json_object(body)
+        messages = request.get("messages") if request is not None else None
         if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
             rewritten = [self.message(m) for m in messages]
             if rewritten != messages:
@@ -85,11 +82,8 @@ class ToolCalls:
             return await self.app(scope, receive, send)
         body = await read_body(receive)
         replay = replayer(body, receive)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        if not (isinstance(request, dict) and request.get("tools")):
+        request = json_object(body)
+        if not (request is not None and request.get("tools")):
             return await self.app(scope, replay, send)
         if request.get("stream"):
             return await self.app(scope, replay, _StreamedToolCalls(send))

@@ -30,11 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.held_out < 1:
         raise UserError("bench world: need --held-out >= 1")
-    try:  # before the banner: a world model that is not there is one line
-        world = open_world_model(args.model, EndpointSettings.of(TrainConfig()))
-    except UserError as e:
-        said = str(e).removeprefix(f"config field env: world model {args.model}: ")
-        raise UserError(f"bench world --model {args.model}: {said}") from None
+    # before the banner: a world model that is not there is one line
+    world = open_world_model(args.model, EndpointSettings.of(TrainConfig()), f"bench world --model {args.model}")
     print(f"world benchmark: {args.model} as the shell, against the real sandbox, on {args.held_out} held-out tasks "
           f"(names never seen), each played by the scripted expert and the careless one; exact matches")
     t0 = time.monotonic()
