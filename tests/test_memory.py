@@ -190,8 +190,15 @@ import os, subprocess, sys
 print("start", os.getpid(), flush=True)
 from localrl.heap import preload_allocator, running_on_mimalloc
 preload_allocator()
-child = subprocess.run(["sh", "-c", "echo ${LD_PRELOAD:-none}"], capture_output=True, text=True).stdout.split()
-print("ran", os.getpid(), running_on_mimalloc(), os.environ.get("LD_PRELOAD", "none"), *child)
+child = subprocess.run(["sh", "-c", "echo ${LD_PRELOAD:-none} ${MIMALLOC_ALLOW_THP:-unset}; grep THP_enabled "
+                        "/proc/self/status"], capture_output=True, text=True).stdout.split()
+thp = open("/proc/self/status").read().split("THP_enabled:")[1].split()[0]
+block = bytearray(64 << 20)  # from the allocator, touched a page at a time
+for i in range(0, len(block), 4096):
+    block[i] = 1
+huge = next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages"))
+print("ran", os.getpid(), running_on_mimalloc(), os.environ.get("LD_PRELOAD", "none"), thp, *child)
+print("huge pages kB", huge)
 """
 
 
@@ -204,10 +211,16 @@ def test_the_command_runs_again_once_on_mimalloc_and_its_children_on_their_own_a
     lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
                            env=env).stdout.split("\n")
     pid = lines[0].split()[1]
-    assert lines[:3] == [f"start {pid}", f"start {pid}", f"ran {pid} True none none"], lines
+    # mimalloc started without huge pages (heap.py), and the process and its children have the kernel's policy back
+    assert lines[:3] == [f"start {pid}", f"start {pid}", f"ran {pid} True none 1 none unset THP_enabled: 1"], lines
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():  # ("always": the kernel's)
+        assert lines[3] == "huge pages kB 0", lines  # mimalloc advised none (here: 64 MiB of them when it did)
+    lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
+                           env={**env, "MIMALLOC_ALLOW_THP": "1"}).stdout.split("\n")
+    assert lines[2] == f"ran {lines[0].split()[1]} True none 1 none 1 THP_enabled: 1", lines  # the user's own kept
     lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
                            env={**env, "LOCALRL_ALLOCATOR": "glibc"}).stdout.split("\n")
-    assert lines[1] == f"ran {lines[0].split()[1]} False none none", lines
+    assert lines[1] == f"ran {lines[0].split()[1]} False none 1 none unset THP_enabled: 1", lines
 
 
 COLLECTED = """
