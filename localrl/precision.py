@@ -1,9 +1,16 @@
 """The number format the frozen base computes in (``compute_dtype``), chosen once per run.
 
 bfloat16 halves the base's weights and activations and, where the silicon multiplies it natively,
-runs its products about twice as fast as float32: on a CUDA GPU, and on CPUs with AVX-512 BF16 or
-AMX (x86) or the BF16 extension (ARM). Elsewhere a CPU converts every bfloat16 product to float32 and
-back, which is slower than float32 itself, so "auto" keeps float32 there.
+runs its products faster than float32: on a CUDA GPU, and on CPUs with AVX-512 BF16 or AMX (x86) or
+the BF16 extension (ARM). Elsewhere a CPU converts every bfloat16 product to float32 and back, which
+is slower than float32 itself.
+
+"auto" is bfloat16 on a GPU and float32 on every CPU, for now even where the CPU multiplies bfloat16:
+on such a CPU (a 2-core Xeon with AMX, 2026-12-07) the README's SmolLM2-135M command ran 1.5x faster
+in bfloat16 but peaked at 4.19 GiB under its 4 GiB budget, because the memory planner under-predicts a
+bfloat16 run's load, evaluation and rollout phases on a CPU (`localrl bench memory`: 1.45x, 2.0x and
+1.44x), and the one seed measured learned less (12.5% against 23.0%). ``--compute-dtype bfloat16``
+asks for it anyway (docs/performance.md).
 
 Only the base computes in bfloat16. The LoRA weights, their gradients and AdamW state stay float32
 (peft keeps an adapter in float32 on a bfloat16 base), and the logits are upcast before any
@@ -70,5 +77,6 @@ def resolve(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
     if device.type == "cuda":
         return torch.bfloat16, "bfloat16 compute (a GPU)"
     if native_bfloat16_cpu():
-        return torch.bfloat16, "bfloat16 compute (this CPU multiplies bfloat16 natively)"
+        return torch.float32, ("float32 compute (this CPU multiplies bfloat16 natively, but the memory plan does "
+                               "not yet hold a budget for it on a CPU: --compute-dtype bfloat16 asks for it)")
     return torch.float32, "float32 compute (this CPU has no native bfloat16: no AVX-512 BF16 or AMX)"

@@ -17,7 +17,7 @@ from tests.test_prompt_cache import make_rollout
 CPU = torch.device("cpu")
 
 
-def test_auto_is_bfloat16_only_where_the_silicon_multiplies_it(monkeypatch):
+def test_auto_is_bfloat16_on_a_gpu_and_float32_on_every_cpu(monkeypatch):
     assert resolve("float32", CPU)[0] == torch.float32 and resolve("bfloat16", CPU)[0] == torch.bfloat16
     assert resolve("auto", CPU) == (torch.float32, resolve("auto", CPU)[1])  # as conftest.py pins the detection
     monkeypatch.delenv(NATIVE_ENV)
@@ -26,8 +26,10 @@ def test_auto_is_bfloat16_only_where_the_silicon_multiplies_it(monkeypatch):
     if platform.machine() == "x86_64":  # torch's probe agrees with what the kernel lists
         assert native == bool({"avx512_bf16", "amx_bf16"} & set(flags))
     dtype, why = resolve("auto", CPU)
-    assert dtype == (torch.bfloat16 if native else torch.float32)
-    assert ("natively" if native else "no native bfloat16") in why
+    assert dtype == torch.float32  # (native or not: precision.py says why)
+    assert ("multiplies bfloat16 natively, but" if native else "no native bfloat16") in why
+    monkeypatch.setenv(NATIVE_ENV, "1")
+    assert resolve("auto", CPU)[0] == torch.float32 and "--compute-dtype bfloat16" in resolve("auto", CPU)[1]
     assert resolve("auto", torch.device("cuda"))[0] == torch.bfloat16
     with pytest.raises(UserError, match="compute_dtype"):
         TrainConfig(compute_dtype="half").validate()
