@@ -59,7 +59,8 @@ ALLOCATOR_ENV = "LOCALRL_ALLOCATOR"  # "glibc": keep the C library's malloc
 PRELOADED_ENV = "LOCALRL_PRELOADED"  # in the re-executed process only: the LD_PRELOAD it had before ("" none)
 MIMALLOC_THP_ENV = "MIMALLOC_ALLOW_THP"  # mimalloc's own option, read when it starts
 THP_SET_ENV = "LOCALRL_SET_MIMALLOC_THP"  # in the re-executed process only: localrl, not the user, set the option
-PR_SET_THP_DISABLE = 41  # prctl(2)
+# ("1": huge pages were allowed before, so allow them again; "0": they were off already, for the process and its parent)
+PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42  # prctl(2)
 
 _done = False
 _libc = None  # glibc, once it took the threshold
@@ -95,9 +96,10 @@ def preload_allocator() -> None:
             os.environ["LD_PRELOAD"] = before
         else:
             os.environ.pop("LD_PRELOAD", None)
-        if os.environ.pop(THP_SET_ENV, None):
+        if THP_SET_ENV in os.environ:
             os.environ.pop(MIMALLOC_THP_ENV, None)
-            _allow_huge_pages()
+            if os.environ.pop(THP_SET_ENV) == "1":
+                _huge_pages(allow=True)
         return
     choice = os.environ.get(ALLOCATOR_ENV, "mimalloc")
     if choice not in ("mimalloc", "glibc"):
@@ -111,7 +113,7 @@ def preload_allocator() -> None:
     before = os.environ.get("LD_PRELOAD", "")
     env = {**os.environ, "LD_PRELOAD": f"{library} {before}".strip(), PRELOADED_ENV: before}
     if MIMALLOC_THP_ENV not in os.environ:
-        env |= {MIMALLOC_THP_ENV: "0", THP_SET_ENV: "1"}
+        env |= {MIMALLOC_THP_ENV: "0", THP_SET_ENV: "1" if _huge_pages() else "0"}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -120,13 +122,17 @@ def preload_allocator() -> None:
         pass
 
 
-def _allow_huge_pages() -> None:
-    """Undo ``MIMALLOC_ALLOW_THP=0``'s process-wide ``prctl``: the kernel's own huge-page policy again, for this
-    process's other allocations and for the programs it starts."""
+def _huge_pages(allow: bool | None = None) -> bool:
+    """Whether this process may have transparent huge pages (its ``prctl`` flag, which children inherit);
+    ``allow=True`` first undoes ``MIMALLOC_ALLOW_THP=0``'s ``prctl``: the kernel's own policy again, for this
+    process's other allocations and for the programs it starts. False where there is no such flag."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        if allow:
+            prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0)
+        return prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) == 0
     except (OSError, AttributeError):  # not Linux
-        pass
+        return False
 
 
 def return_freed_memory() -> bool:

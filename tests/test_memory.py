@@ -203,7 +203,7 @@ print("huge pages kB", huge)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the wheel is Linux's")
-def test_the_command_runs_again_once_on_mimalloc_and_its_children_on_their_own_allocator():
+def test_the_command_runs_again_once_on_mimalloc_and_its_children_on_their_own_allocator(tmp_path):
     from localrl.heap import mimalloc_library
 
     assert mimalloc_library() is not None  # a declared dependency on Linux
@@ -221,6 +221,13 @@ def test_the_command_runs_again_once_on_mimalloc_and_its_children_on_their_own_a
     lines = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, check=True,
                            env={**env, "LOCALRL_ALLOCATOR": "glibc"}).stdout.split("\n")
     assert lines[1] == f"ran {lines[0].split()[1]} False none 1 none unset THP_enabled: 1", lines
+    # started with huge pages off (a parent's prctl, which its children inherit): they stay off
+    script = tmp_path / "preloaded.py"
+    script.write_text(PRELOADED)
+    off = f"import ctypes; ctypes.CDLL(None).prctl(41, 1, 0, 0, 0); exec(open({str(script)!r}).read())"
+    lines = subprocess.run([sys.executable, "-c", off], capture_output=True, text=True, check=True,
+                           env=env).stdout.split("\n")
+    assert lines[2] == f"ran {lines[0].split()[1]} True none 0 none unset THP_enabled: 0", lines
 
 
 COLLECTED = """
