@@ -39,7 +39,7 @@ returns, and mimalloc's freed pages are faulted in again. On a 2-core Xeon with 
 SmolLM2-135M's shape in bfloat16 (``bench utilisation``): completion forward 3.10 s with huge pages against 1.05 s
 without, the whole step 12.2 against 9.8 s, resident peak 2.94 against 2.91 GB (glibc's defaults: 0.85 s, 9.5 s).
 mimalloc applies that option as a ``prctl`` the whole process and its children inherit, so the re-executed
-process sets the kernel's default back at once (mimalloc, having advised nothing, stays off huge pages).
+process allows huge pages again at once where it had them before (mimalloc, having advised nothing, stays off them).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def preload_allocator() -> None:
         pass
 
 
-def _huge_pages(allow: bool | None = None) -> bool:
+def _huge_pages(allow: bool = False) -> bool:
     """Whether this process may have transparent huge pages (its ``prctl`` flag, which children inherit);
     ``allow=True`` first undoes ``MIMALLOC_ALLOW_THP=0``'s ``prctl``: the kernel's own policy again, for this
     process's other allocations and for the programs it starts. False where there is no such flag."""
