@@ -133,6 +133,8 @@ def predict_peak(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
     static = weights + 16 * s.lora_params(lora_rank)
 
     per_token = b * (4 * s.hidden + 3 * q + 4 * s.intermediate + 7 * lora_rank) + 4 * s.heads
+    if b < 4:  # peft casts each adapted layer's input to its float32 adapter and keeps the copy for backward
+        per_token += 4 * (5 * s.hidden + q + s.intermediate)  # q, k, v, gate, up read the hidden state
     prompt_tokens = prompts * prompt_len
     rows_tokens = micro_batch * completion_len
     # A micro-batch packs its completions per prompt: each packed sequence attends over its
@@ -159,7 +161,11 @@ def predict_peak(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
 def plan_step(shape: ModelShape, prompts: int, group: int, prompt_len: int, completion_len: int,
               budget_bytes: int | None, lora_rank: int = 16, load_in_4bit: bool = True,
               dtype_bytes: int = 4) -> Plan:
-    """The preferred micro-batch / logits chunk / checkpointing whose predicted peak fits the budget."""
+    """The preferred micro-batch / logits chunk / checkpointing whose predicted peak fits the budget: without
+    checkpointing, then with it; but a micro-batch that splits a prompt's group into passes of fewer than
+    SPLIT_TOKENS completion tokens comes after every checkpointed plan (such small passes cost more than
+    recomputing each layer: `localrl bench memory`, 2026-12-07, a 4-bit qwen2.5-0.5b update one 32-token
+    completion at a time 44.6 s against 24.1-28.3 s checkpointed at 16; docs/memory.md)."""
     rows = prompts * group
     candidates = []
     for checkpointing in (False, True):
@@ -170,6 +176,8 @@ def plan_step(shape: ModelShape, prompts: int, group: int, prompt_len: int, comp
                                      lora_rank, load_in_4bit, dtype_bytes)
                 candidates.append((mb, chunk, checkpointing, parts))
             mb = mb // 2 if mb > 1 else 0
+    split = lambda c: not c[2] and c[0] < min(group, rows) and c[0] * completion_len < SPLIT_TOKENS
+    candidates.sort(key=split)  # (stable: the order above within each kind)
     for mb, chunk, ckpt, parts in candidates:
         peak = sum(parts.values())
         if budget_bytes is None or peak <= budget_bytes:
@@ -209,10 +217,14 @@ def read_shape(model: str) -> ModelShape:
 # allocations, where it is no part.
 RUNTIME_BYTES = int(0.45 * GIB)
 FREE_MARGIN = 0.10  # without memory_budget, the budget is the memory free at start less this share
-# Every phase is planned to fit the budget with this much to spare: `localrl bench memory` measured peaks
-# from 6% under to 23% over the predictions on the CPU, the most where the C heap keeps freed small
-# activations (micro-batches of a few completions; heap.py) (docs/memory.md)
+# Every phase is planned to fit the budget with this much to spare on what it adds to the memory held all run
+# (MemoryBudget.with_margin): `localrl bench memory` measured peaks from 6% under to 23% over the predictions
+# on the CPU, the most where the C heap keeps freed small activations (micro-batches of a few completions;
+# heap.py) (docs/memory.md)
 PLAN_MARGIN = 0.25
+# a micro-batch that splits a prompt's group without checkpointing must keep this many completion tokens a pass
+# (a choice between two measurements, docs/memory.md: 32 tokens a pass lost to checkpointing 1.6-1.9x)
+SPLIT_TOKENS = 1024
 # transformers' GGUF reading, per byte of float32 weights, besides the file it maps (docs/memory.md)
 CONVERSION_FACTOR = 1.2
 
@@ -296,12 +308,44 @@ def decode_bytes(shape: ModelShape, prompts: int, group: int, prompt_len: int, c
     return int(cache + growing + max(prefill, 3 * rows * shape.vocab * 4))
 
 
+LLAMA_MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences
+LLAMA_CELL_PAD = 256  # llama.cpp pads each sequence's own key/value stream to a multiple of this many cells
+LLAMA_DRAW_ROWS = 32  # rows whose next tokens llama_rollout draws at a time (its float64 temporaries)
+# bytes a llama.cpp key/value cell holds per key (or value) element: keys in f16, values in q8_0 (34 bytes a block
+# of 32) where a head is a whole number of blocks wide, else f16, as llama_rollout makes its context
+LLAMA_K_BYTES, LLAMA_Q8_BLOCK = 2.0, 32
+
+
+def llama_v_bytes(shape: ModelShape) -> float:
+    """Bytes an element of llama.cpp's value cache takes in the sampler's context (llama_rollout)."""
+    return (LLAMA_Q8_BLOCK + 2) / LLAMA_Q8_BLOCK if shape.head_dim % LLAMA_Q8_BLOCK == 0 else 2.0
+
+
+def llama_cells(rows: int, tokens: int) -> int:
+    """Key/value cells of a llama.cpp context of ``rows`` sequences of ``tokens`` each, one stream a sequence
+    (``kv_unified`` off), as llama.cpp sizes it: the total padded, then each stream padded again (160 tokens
+    a sequence take 256 cells)."""
+    rows = min(rows, LLAMA_MAX_SEQUENCES)
+    pad = lambda n: -(-n // LLAMA_CELL_PAD) * LLAMA_CELL_PAD
+    return pad(pad(rows * tokens) // rows) * rows
+
+
+def llama_kv_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
+    """The key/value cache of a llama.cpp context of ``rows`` sequences of ``tokens`` (keys f16, values
+    ``llama_v_bytes``)."""
+    cell = shape.kv_heads * shape.head_dim * shape.layers * (LLAMA_K_BYTES + llama_v_bytes(shape))
+    return int(cell * llama_cells(rows, tokens))
+
+
 def llama_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
     """llama.cpp's share of a process that samples with it (llama_rollout.py): the weights written as f16,
-    a context of ``tokens`` f16 key/value cells for each of ``rows`` sequences, and float32 logits of a
-    512-token batch."""
+    the context's key/value cells for ``rows`` sequences of ``tokens`` (``llama_cells``, ``llama_kv_bytes``), and
+    float32 logits: llama.cpp's output buffer and its 512-token compute buffer, the sampler's copy
+    of every row's and a draw's temporaries."""
+    rows = min(rows, LLAMA_MAX_SEQUENCES)
     weights = 2 * shape.matrix_params
-    return int(weights + shape.kv_bytes(rows * tokens) + 512 * shape.vocab * 4)
+    logits = (2 * rows + 512 + 6 * min(rows, LLAMA_DRAW_ROWS)) * shape.vocab * 4
+    return int(weights + llama_kv_bytes(shape, rows, tokens) + logits)
 
 
 @dataclass(frozen=True)
@@ -374,10 +418,14 @@ class MemoryBudget:
     def limited(self) -> bool:
         return self.bytes is not None
 
-    @property
-    def usable(self) -> int:
-        """What the plan may predict: the budget less ``PLAN_MARGIN`` of it, for the predictions' error."""
-        return int(self.bytes / (1 + PLAN_MARGIN))
+    def with_margin(self, peak: int) -> int:
+        """A phase's predicted peak with ``PLAN_MARGIN`` on what it adds to the memory held all run: what the
+        budget must hold. The held part (the libraries, the weights, the adapter and its optimizer, llama.cpp's
+        weights and context) is sized exactly; the predictions' error is in what a phase computes."""
+        return int(self.held + max(peak - self.held, 0) * (1 + PLAN_MARGIN))
+
+    def _fits(self, peak: int) -> bool:
+        return not self.limited or self.with_margin(peak) <= self.bytes
 
     @property
     def _eval_prompts(self) -> int:
@@ -399,7 +447,7 @@ class MemoryBudget:
         """How many of a step's requests the plug-in's decoding phase decodes at once: all, or the most whose
         caches fit."""
         n = self.extra_phase.requests
-        while n > 1 and self.limited and self._extra_decoding(n) > self.usable:
+        while n > 1 and not self._fits(self._extra_decoding(n)):
             n = (n + 1) // 2
         return n
 
@@ -418,7 +466,7 @@ class MemoryBudget:
         """The phase that needs most at its smallest plan, and the least budget (bytes, margin included)
         that holds it."""
         phase, need = max(self._needs(prompt_len, completion_len).items(), key=lambda kv: kv[1])
-        return phase, int(need * (1 + PLAN_MARGIN))
+        return phase, self.with_margin(need)
 
     def fits(self, prompt_len: int, completion_len: int) -> bool:
         """Whether the run's smallest plan fits the budget (always, without one)."""
@@ -445,7 +493,9 @@ class MemoryBudget:
         """The update's plan for a batch's real lengths: as configured (``micro_batch_size``, no checkpointing)
         when that fits, else the planner's preferred plan within what the budget leaves."""
         c = self.cfg
-        room = self.usable - self.base if self.limited else None  # a plan's peak counts the weights
+        # a plan's peak counts the weights and optimizer state (held, exact) and the step's activations (the margin)
+        static = self.held - self.base
+        room = static + int((self.bytes - self.held) / (1 + PLAN_MARGIN)) if self.limited else None
         rows = c.prompts_per_step * c.group_size
         if not c.memory_budget:  # the budget is the free memory: keep what was configured while it fits
             mb = min(c.micro_batch_size or rows, rows)
@@ -461,7 +511,7 @@ class MemoryBudget:
         """How many of ``prompts`` to sample at once (each with ``group`` completions): all, or the most whose
         caches fit (at least one)."""
         n = prompts
-        while n > 1 and self.limited and self._decode(n, group, prompt_len, completion_len) > self.usable:
+        while n > 1 and not self._fits(self._decode(n, group, prompt_len, completion_len)):
             n = (n + 1) // 2
         return n
 

@@ -10,9 +10,8 @@ quant/gguf_import.py), or a hub id. The name is resolved and its config checked
 traceback after a long load.
 
 Deliberate simplifications: one device (CPU or one CUDA GPU); the base computes in the run's
-``compute_dtype`` (bfloat16 on a GPU and on CPUs that multiply it natively, float32 on other CPUs:
-localrl/precision.py) while the LoRA weights stay float32. Unsloth is imported only when
-``unsloth=True``.
+``compute_dtype`` (by default bfloat16 on a GPU and float32 on a CPU: localrl/precision.py) while the
+LoRA weights stay float32. Unsloth is imported only when ``unsloth=True``.
 """
 
 from __future__ import annotations
@@ -183,6 +182,16 @@ def keep_trainable_layout(model: torch.nn.Module) -> int:
 def load_full(path: str):
     """The model's own weights in float32 on the CPU (for merging and export, never quantised)."""
     return _from_pretrained(path, dtype=torch.float32)
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The frozen base weights of a PEFT policy under the base model's own (Hugging Face) names, as the
+    policy holds them (views, no copy), or None where the base is not plain full-precision tensors (4-bit
+    NF4 layers): what the llama.cpp sampler is written from without loading the model a second time."""
+    if any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {name.replace(".base_layer.", "."): t for name, t in inner.state_dict().items() if ".lora_" not in name}
 
 
 def _from_pretrained(path: str, **kwargs):

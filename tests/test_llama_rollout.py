@@ -13,10 +13,17 @@ from localrl.quant.gguf_writer import write_gguf
 
 
 @pytest.fixture(scope="module")
-def setup(builtin_model, tmp_path_factory):
+def tiny(builtin_model, tmp_path_factory):
+    """(the built-in model in float32, its tokenizer, the model written as an f32 GGUF)"""
     model, tok = load_full(str(builtin_model)).eval(), load_tokenizer(str(builtin_model))
     gguf = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
     write_gguf(model.state_dict(), model.config, builtin_model, tok, gguf, "f32")
+    return model, tok, gguf
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    model, tok, gguf = tiny
     prompts = encode_prompts(tok, load_task("arith", eval_size=3).held_out)
     sampler = LlamaCppSampler(gguf, max_rows=3 * 4, max_tokens=max(map(len, prompts)) + 40)
     yield model, tok, prompts, sampler
@@ -96,3 +103,54 @@ def test_draws_follow_the_softmax_at_the_temperature_and_report_its_log_probabil
     assert np.abs(counts / 4000 - want).max() < 0.03
     greedy, zeros = _draw(logits, 0.0, rng)
     assert (greedy == logits.argmax(-1)).all() and not zeros.any()
+
+
+def test_draws_a_few_rows_at_a_time_are_the_draws_of_all_rows_at_once():
+    import numpy as np
+
+    from localrl.generation.llama_rollout import _draw, _draw_rows
+    from localrl.memory import LLAMA_DRAW_ROWS
+
+    logits = np.random.default_rng(1).normal(scale=3.0, size=(3 * LLAMA_DRAW_ROWS + 5, 50)).astype(np.float32)
+    order = np.arange(1, len(logits), 2)  # the rows still generating
+    for temperature in (0.7, 0.0):
+        tokens, logps = _draw_rows(logits, order, temperature, np.random.default_rng(2))
+        want_tokens, want_logps = _draw(logits[order], temperature, np.random.default_rng(2))
+        assert (tokens == want_tokens).all() and np.array_equal(logps, want_logps)
+
+
+def test_the_sampler_is_written_from_the_policys_own_base_as_from_the_model_loaded_again(builtin_model, tiny,
+                                                                                          tmp_path):
+    from localrl.config import TrainConfig
+    from localrl.modeling import base_weights, load_policy
+
+    policy, tok = load_policy(TrainConfig(model=str(builtin_model)).validate(), torch.device("cpu"))
+    full, _, _ = tiny
+    weights = base_weights(policy)
+    assert weights.keys() == full.state_dict().keys()
+    write_gguf(weights, policy.config, builtin_model, tok, tmp_path / "own.gguf", "f16")
+    write_gguf(full.state_dict(), full.config, builtin_model, tok, tmp_path / "loaded.gguf", "f16")
+    assert (tmp_path / "own.gguf").read_bytes() == (tmp_path / "loaded.gguf").read_bytes()
+
+
+def test_a_context_holds_the_cells_the_planner_counts_each_sequence_padded_as_llama_cpp_pads_it(tiny, tiny_models,
+                                                                                                 tmp_path):
+    """256 sequences of 40 tokens take 256 cells each in llama.cpp (one stream a sequence): 6.4x the cells
+    asked for, resident as soon as the context exists; keys in f16, values in q8_0 where a head is 32 wide
+    (the built-in model) and in f16 where it is 16 (a tiny Llama)."""
+    from localrl.memory import ModelShape, llama_cells, llama_kv_bytes, resident_bytes
+
+    assert llama_cells(256, 40) == 256 * 256 and llama_cells(8, 160) == 2048
+    narrow = load_full(str(tiny_models["llama"]))
+    write_gguf(narrow.state_dict(), narrow.config, tiny_models["llama"], load_tokenizer(str(tiny_models["llama"])),
+               tmp_path / "narrow.gguf", "f32")
+    for config, gguf, values in ((tiny[0].config, tiny[2], "q8_0"), (narrow.config, tmp_path / "narrow.gguf", "f16")):
+        shape = ModelShape.from_config(config)
+        kv = llama_kv_bytes(shape, 256, 40)
+        f16 = shape.kv_bytes(llama_cells(256, 40))
+        assert (kv < 0.8 * f16) if values == "q8_0" else (kv == f16)
+        before = resident_bytes("RssAnon")
+        sampler = LlamaCppSampler(gguf, 256, 40)
+        grown = resident_bytes("RssAnon") - before
+        sampler.close()
+        assert 0.9 * kv < grown < 1.1 * kv + 16 * 2**20, (values, grown, kv)

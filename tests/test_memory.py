@@ -11,7 +11,7 @@ import torch
 
 from localrl.benchmarks.harness import bench_model
 from localrl.errors import UserError
-from localrl.memory import GIB, ModelShape, parse_bytes, plan_step
+from localrl.memory import GIB, ModelShape, parse_bytes, plan_step, predict_peak
 from localrl.precision import resolve
 from tests.helpers import run_planned_step
 
@@ -43,6 +43,19 @@ def test_real_configs_on_a_12gb_card():
     assert not too_long.fits and "DOES NOT FIT" in too_long.describe()
 
 
+def test_short_completions_are_checkpointed_before_a_group_is_split_into_tiny_passes():
+    shape = ModelShape.from_config(QWEN25_1_5B)
+    peak = lambda mb, ckpt: sum(predict_peak(shape, 4, 4, 64, 32, mb, 128, ckpt, 16, True, 2).values())
+    budget = int(peak(2, False)) + 1  # a group split in two fits without checkpointing, a whole group does not
+    assert peak(4, False) > budget
+    plan = plan_step(shape, 4, 4, 64, 32, budget, 16, True, 2)
+    assert plan.fits and plan.checkpointing and plan.micro_batch >= 4  # 32-token passes: checkpoint instead
+    # 512-token completions: two a pass keep 1024 tokens, worth more than recomputing every layer
+    long = plan_step(shape, 4, 4, 64, 512, int(sum(predict_peak(shape, 4, 4, 64, 512, 2, 128, False, 16, True,
+                                                                  2).values())) + 1, 16, True, 2)
+    assert long.fits and not long.checkpointing and long.micro_batch == 2
+
+
 @pytest.mark.slow
 def test_plan_command_reads_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
@@ -68,10 +81,13 @@ def test_measured_peak_is_under_budget_and_near_the_prediction(prompt_len, compl
     shape = ModelShape.from_config(model.config)
     static = sum(p.numel() * p.element_size() for p in model.parameters())
     plan = plan_step(shape, 1, 8, prompt_len, completion_len, budget_mb * 2**20)
-    assert plan.fits and plan.micro_batch < 8  # the budget is tight enough to make the planner split
+    assert plan.fits and (plan.micro_batch < 8 or plan.checkpointing)  # the budget makes the planner shrink it
     peak, predicted_step = run_planned_step(model, plan, prompt_len, completion_len)
     assert static + peak <= budget_mb * 2**20
-    assert 0.75 <= peak / predicted_step <= 1.25, (peak, predicted_step, plan.describe())
+    # a checkpointed plan is over-predicted on this one-layer model (measured 0.67x at (1000, 100, 300), since
+    # short completions are checkpointed before a group is split: memory.SPLIT_TOKENS): the safe side, kept loose
+    low = 0.6 if plan.checkpointing else 0.75
+    assert low <= peak / predicted_step <= 1.25, (peak, predicted_step, plan.describe())
 
 
 @pytest.mark.slow
@@ -341,7 +357,9 @@ def test_the_run_plan_covers_every_phase_and_names_the_one_that_does_not_fit():
     budget = MemoryBudget.for_run(cfg, shape, 256, cpu, True)
     phases = budget.phases(256, 256)
     assert set(phases) == {"load", "evaluation", "rollout", "update"}
-    assert max(phases.values()) * (1 + PLAN_MARGIN) <= 7 * GIB
+    assert max(map(budget.with_margin, phases.values())) <= 7 * GIB
+    # the margin is on what a phase adds to the memory held all run, which is sized exactly
+    assert budget.with_margin(budget.held + GIB) == budget.held + int((1 + PLAN_MARGIN) * GIB)
     # 128 completions' caches of 512 tokens do not fit at once: the rollouts are split, and the run says so
     at_once = budget.rollout_prompts(16, 8, 256, 256)
     assert 1 <= at_once < 16 and f"rollouts {at_once} prompts at a time (of 16)" in budget.describe(256, 256)[1]

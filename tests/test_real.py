@@ -216,12 +216,13 @@ def test_lessons_from_a_judge_behind_an_endpoint_raise_the_real_models_accuracy(
 
     with ScriptedJudge(write_lessons) as judge:
         cfg = TrainConfig(model=str(real_gguf), objective="experience", experience_judge=f"{judge.url}|scripted-judge",
-                          steps=1, prompts_per_step=4, group_size=4, max_new_tokens=96, eval_size=16,
+                          steps=1, prompts_per_step=4, group_size=8, max_new_tokens=96, eval_size=16,
                           run_dir=str(tmp_path / "run"))
         result = train(cfg, log=lambda *_: None)
     assert list(load_library(result.run_dir).lessons.values()) == list(HAND_LESSONS)
     before, after = result.eval_before["accuracy"], result.eval_after["accuracy"]
-    # measured: 12.5% -> 25.0% of these 16 (groups of 8 as of 4; of 24 the same; of 40: 12.5% -> 17.5%)
+    # measured: 12.5% -> 25.0% of these 16 (groups of 8 as of 4; of 24 the same; of 40: 12.5% -> 17.5%); groups of 8,
+    # since with llama.cpp's values in q8_0 no group of 4 drew rewards that differ, so the judge was never asked
     assert after > before, (before, after)
     adapter = load_file(str(result.run_dir / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
     assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)

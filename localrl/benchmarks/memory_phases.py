@@ -36,6 +36,7 @@ class MemoryCase:
     prompt_len: int = 64
     completion_len: int = 32
     eval_batch: int = 16
+    compute_dtype: str = "auto"  # what the base computes in (localrl/precision.py)
 
 
 # Sizes users fine-tune, at budgets that make the planner split (cases beside the default list: --model)
@@ -58,12 +59,15 @@ def model_dir(case: MemoryCase, cache: Path, log=print) -> str:
     return str(out)
 
 
+_SHORT = {"float32": "f32", "bfloat16": "bf16"}
+
+
 def bench_memory(cases=DEFAULT_CASES, cache: Path | None = None, device: str = "cpu", log=print) -> list[dict]:
     """One row per case and phase: predicted and measured peak (GiB), their ratio, the budget, seconds."""
     cache = cache or Path.home() / ".cache" / "localrl" / "shapes"
     rows = []
     ctx = multiprocessing.get_context("spawn")  # a fresh process: nothing of this one's heap in the measurement
-    log(f"{'model':<16} {'base':<5} {'budget':>7} | {'phase':<10} {'predicted':>9} {'measured':>9} "
+    log(f"{'model':<16} {'base':<9} {'budget':>7} | {'phase':<10} {'predicted':>9} {'measured':>9} "
         f"{'ratio':>6} {'under':>5} {'s':>7} | plan")
     for case in cases:
         path = model_dir(case, cache, log)
@@ -78,7 +82,8 @@ def bench_memory(cases=DEFAULT_CASES, cache: Path | None = None, device: str = "
             row = {**asdict(case), **r, "budget_gib": result["budget_gib"], "plan": result["plan"]}
             rows.append(row)
             budget = f"{row['budget_gib']:.2f}" if row["budget_gib"] else "free"
-            log(f"{case.model:<16} {case.quantize:<5} {budget:>7} | {r['phase']:<10} {r['predicted_gib']:>9.2f} "
+            base = case.quantize + ("" if case.compute_dtype == "auto" else "/" + _SHORT[case.compute_dtype])
+            log(f"{case.model:<16} {base:<9} {budget:>7} | {r['phase']:<10} {r['predicted_gib']:>9.2f} "
                 f"{r['measured_gib']:>9.2f} {r['ratio']:>6.2f} {'yes' if r['under_budget'] else 'NO':>5} "
                 f"{r['seconds']:>7.1f} | {result['plan']}")
     return rows
@@ -126,7 +131,8 @@ def _phases(path: str, case: MemoryCase, device_name: str) -> dict:
         phase("conversion", lambda: resolve_model(path, log=lambda *_: None))
     cfg = TrainConfig(model=path, prompts_per_step=case.prompts, group_size=case.group,
                       max_new_tokens=case.completion_len, quantize=case.quantize, memory_budget=case.budget,
-                      eval_batch_size=case.eval_batch, beta=0.04, device=device_name).validate()
+                      eval_batch_size=case.eval_batch, beta=0.04, device=device_name,
+                      compute_dtype=case.compute_dtype).validate()
     _, config = load_config(path)
     shape = ModelShape.from_config(config)
     in_4bit, _ = choose_4bit(cfg, shape, case.prompt_len, device)

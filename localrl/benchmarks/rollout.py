@@ -52,7 +52,7 @@ def bench_rollout(model: str, prompts: int = 2, group: int = 8, completion_len: 
         try:
             t0 = time.perf_counter()
             sampler.sample_groups(ids, group, completion_len, [], 1.0, seed=0)
-            record("llama.cpp, batched (f16 GGUF)", time.perf_counter() - t0)
+            record("llama.cpp, batched (f16 GGUF, q8_0 values)", time.perf_counter() - t0)
         finally:
             sampler.close()
     base = results[0]["tokens_per_s"]

@@ -26,8 +26,7 @@ def add_parser(commands) -> None:
                    help="the device to plan for (default auto: this machine's: cuda if it has a GPU, else cpu); "
                         "4-bit only on cuda")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="what the base computes in, as in train (auto: bfloat16 on cuda and on CPUs that multiply "
-                        "it natively, float32 on other CPUs)")
+                   help="what the base computes in, as in train (auto: bfloat16 on cuda, float32 on a CPU)")
     p.set_defaults(func=cmd_plan)
 
 

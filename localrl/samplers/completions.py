@@ -28,6 +28,7 @@ from localrl.errors import UserError
 from localrl.evaluation.evaluate import columns_of, evaluate
 from localrl.generation.rollout import (Rollout, completion_token_ids, concat_rollouts, decode_completions,
                                         encode_prompts, group_generators, sample_in_chunks)
+from localrl.memory import LLAMA_MAX_SEQUENCES
 from localrl.samplers import Batch, ModelInfo, Plan, Sampler, samplers
 
 
@@ -128,12 +129,15 @@ class Completions(Sampler):
             problem = None
         except UserError as e:
             problem = str(e)
+        if problem is None and cfg.group_size > LLAMA_MAX_SEQUENCES:  # (a group is sampled in one context)
+            problem = (f"a group of {cfg.group_size} completions is more than the {LLAMA_MAX_SEQUENCES} sequences "
+                       f"it samples at once; lower group_size")
         if cfg.rollout == "llama.cpp":
             if not installed:
                 raise UserError("config field rollout: llama.cpp needs llama-cpp-python (pip install "
                                 "'localrl[llama]')", field="rollout")
             if problem:
-                raise UserError(f"config field rollout: llama.cpp cannot take this model ({problem})",
+                raise UserError(f"config field rollout: llama.cpp cannot take this run ({problem})",
                                 field="rollout")
             return "llama.cpp", "rollouts: llama.cpp, batched (rollout = llama.cpp)"
         if info.device.type == "cuda" or cfg.unsloth:
@@ -141,7 +145,7 @@ class Completions(Sampler):
         if not installed:
             return "torch", "rollouts: torch (pip install 'localrl[llama]' for llama.cpp's faster batched rollouts)"
         if problem:
-            return "torch", f"rollouts: torch (llama.cpp cannot take this model: {problem})"
+            return "torch", f"rollouts: torch (llama.cpp cannot take this run: {problem})"
         return "llama.cpp", "rollouts: llama.cpp, batched, the adapter attached as a GGUF LoRA each step (a CPU)"
 
     @property
@@ -167,7 +171,7 @@ class Completions(Sampler):
             from localrl.generation.llama_rollout import LlamaCppRollout
 
             self.llama = LlamaCppRollout(self.model_path, tok, self.cfg.prompts_per_step * self.cfg.group_size,
-                                         self.longest + self.cfg.max_new_tokens, log=lambda *_: None)
+                                         self.longest + self.cfg.max_new_tokens, log=lambda *_: None, model=model)
 
     def close(self) -> None:
         if self.llama is not None:

@@ -144,7 +144,7 @@ class PlanThenAct(Completions):
             rows = self.cfg.prompts_per_step * self.cfg.plan_count * self.cfg.group_size
             self.llama = LlamaCppRollout(self.model_path, tok, rows,
                                          self.longest + self.cfg.plan_tokens + self.cfg.max_new_tokens,
-                                         log=lambda *_: None)
+                                         log=lambda *_: None, model=model)
 
     def describe_eval(self) -> str:
         return f"on single-turn prompts ({self.cfg.data}), plan and reasoning in one pass"

@@ -186,7 +186,7 @@ class PrefixTree(Completions):
 
             rows = self.cfg.prompts_per_step * self.cfg.tree_prefixes * self.cfg.group_size
             self.llama = LlamaCppRollout(self.model_path, tok, rows, self.longest + self.cfg.max_new_tokens,
-                                         log=lambda *_: None)
+                                         log=lambda *_: None, model=model)
 
     def describe_eval(self) -> str:
         return f"on single-turn prompts ({self.cfg.data}), from the bare prompt"

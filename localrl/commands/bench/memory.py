@@ -7,6 +7,7 @@ import argparse
 
 from localrl.commands.bench import check_model, json_flag, print_json, size_flags
 from localrl.errors import UserError
+from localrl.precision import CHOICES
 
 
 def add_parser(benches) -> None:
@@ -21,6 +22,8 @@ def add_parser(benches) -> None:
                completion_len="each case's")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu; cuda "
                    "measures max_memory_allocated)")
+    p.add_argument("--compute-dtype", default="auto", choices=list(CHOICES),
+                   help="what the base computes in, as in train (default auto)")
     json_flag(p)
     p.set_defaults(func=run)
 
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("bench memory: --budget is for --model (the default cases carry their own budgets)")
     cases = [MemoryCase(args.model, args.quantize, b) for b in (args.budget or [""])] if args.model \
         else list(DEFAULT_CASES)
-    cases = [replace(c, **sizes) for c in cases]
+    cases = [replace(c, **sizes, compute_dtype=args.compute_dtype) for c in cases]
     for case in cases:
         check_model(case.model, shapes=True)
     print(f"memory benchmark: each phase of one GRPO step in a fresh process, {args.device}; predicted (the "

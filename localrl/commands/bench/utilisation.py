@@ -15,8 +15,8 @@ def add_parser(benches) -> None:
                    "smollm2-135m shape)")
     size_flags(p, prompts="the step's", group="the step's", prompt_len="the step's", completion_len="the step's")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="what the step's base computes in (default auto: bfloat16 where this CPU multiplies it "
-                   "natively, else float32), measured against that dtype's peak")
+                   help="what the step's base computes in (default auto: float32 on a CPU), measured against "
+                   "that dtype's peak")
     model_size_flag(p, "tiny-arith at a tiny step and a small peak matrix")
     json_flag(p)
     p.set_defaults(func=run)
