@@ -88,8 +88,8 @@ class TrainConfig:
                                "--no-4bit), or 'auto': nf4 on a GPU, full precision on a CPU (4-bit decoding is "
                                "slower there) unless the memory budget or free memory needs nf4")
     compute_dtype: str = _f("auto", "the number format the base computes in: 'auto' (bfloat16 on a GPU, float32 on "
-                                    "a CPU: on CPUs that multiply bfloat16, AVX-512 BF16, AMX or ARM BF16, the memory "
-                                    "plan does not yet hold a budget for it), "
+                                    "a CPU: on CPUs that multiply bfloat16, AVX-512 BF16, AMX or ARM BF16, it has not "
+                                    "yet learned as float32 does), "
                                     "'float32' or 'bfloat16'; the adapter, its optimizer state, log-probabilities "
                                     "and the loss are float32 under either")
     lora_rank: int = _f(16, "LoRA rank")

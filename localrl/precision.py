@@ -6,10 +6,12 @@ the BF16 extension (ARM). Elsewhere a CPU converts every bfloat16 product to flo
 is slower than float32 itself.
 
 "auto" is bfloat16 on a GPU and float32 on every CPU, for now even where the CPU multiplies bfloat16:
-on such a CPU (a 2-core Xeon with AMX, 2026-12-07) the README's SmolLM2-135M command ran 1.5x faster
-in bfloat16 but peaked at 4.19 GiB under its 4 GiB budget, because the memory planner under-predicts a
-bfloat16 run's load, evaluation and rollout phases on a CPU (`localrl bench memory`: 1.45x, 2.0x and
-1.44x), and the one seed measured learned less (12.5% against 23.0%). ``--compute-dtype bfloat16``
+on such a CPU (a 2-core Xeon with AMX, 2026-12-07) the README's SmolLM2-135M command in bfloat16 ran
+within its 4 GiB budget once the planner counted llama.cpp's context right, 1.1x faster than float32,
+but did not learn (7.0% -> 6.5%, an earlier run 12.5%, against float32's 23.0-25.0%): its
+log-probabilities differ from float32's ten times more than the llama.cpp sampler's. And the planner
+still under-predicts a bfloat16 run's torch-decoding phases on a CPU (`localrl bench memory
+--compute-dtype bfloat16`: load 1.45x, evaluation 2.0x, rollout 1.44x). ``--compute-dtype bfloat16``
 asks for it anyway (docs/performance.md).
 
 Only the base computes in bfloat16. The LoRA weights, their gradients and AdamW state stay float32
@@ -77,6 +79,6 @@ def resolve(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
     if device.type == "cuda":
         return torch.bfloat16, "bfloat16 compute (a GPU)"
     if native_bfloat16_cpu():
-        return torch.float32, ("float32 compute (this CPU multiplies bfloat16 natively, but the memory plan does "
-                               "not yet hold a budget for it on a CPU: --compute-dtype bfloat16 asks for it)")
+        return torch.float32, ("float32 compute (this CPU multiplies bfloat16 natively, but bfloat16 has not yet "
+                               "learned as float32 does on a CPU: --compute-dtype bfloat16 asks for it)")
     return torch.float32, "float32 compute (this CPU has no native bfloat16: no AVX-512 BF16 or AMX)"
