@@ -188,7 +188,7 @@ def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The frozen base weights of a PEFT policy under the base model's own (Hugging Face) names, as the
     policy holds them (views, no copy), or None where the base is not plain full-precision tensors (4-bit
     NF4 layers): what the llama.cpp sampler is written from without loading the model a second time."""
-    if any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+    if count_4bit_layers(model):
         return None
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {name.replace(".base_layer.", "."): t for name, t in inner.state_dict().items() if ".lora_" not in name}

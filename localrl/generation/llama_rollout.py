@@ -28,9 +28,6 @@ from localrl.memory import LLAMA_DRAW_ROWS, LLAMA_MAX_SEQUENCES
 from localrl.quant.runtime import quiet, require_llama_cpp
 
 
-MAX_SEQUENCES = LLAMA_MAX_SEQUENCES
-
-
 @dataclass
 class Samples:
     tokens: list[list[int]]  # per completion, prompt-major
@@ -50,7 +47,7 @@ class LlamaCppSampler:
         if not self.model:
             raise UserError(f"llama.cpp cannot load {gguf_path}")
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        self.max_rows = max_rows = min(max_rows, MAX_SEQUENCES)  # (more rows are sampled a context-full at a time)
+        self.max_rows = max_rows = min(max_rows, LLAMA_MAX_SEQUENCES)  # (more rows are sampled a context-full at a time)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = max_rows * max_tokens  # split evenly: max_tokens cells for each sequence's stream
         cparams.n_batch = max(max_rows * max_tokens, 512)  # every prompt in one call (run 512 tokens at a time)

@@ -129,11 +129,10 @@ class PlanThenAct(Completions):
         rows_per_prompt = cfg.plan_count * cfg.group_size
         extra = plan.extra_bytes
         if self.backend == "llama.cpp":
-            from localrl.generation.llama_rollout import MAX_SEQUENCES
             from localrl.memory import ModelShape, llama_bytes
 
             extra = llama_bytes(ModelShape.from_config(info.config),
-                                min(cfg.prompts_per_step * rows_per_prompt, MAX_SEQUENCES), room + length)
+                                cfg.prompts_per_step * rows_per_prompt, room + length)
         why = f"{plan.why}; {cfg.plan_count} plans a prompt, each completed {cfg.group_size} times"
         return Plan(room, length, plan.backend, why, extra, rows_per_prompt)
 

@@ -171,11 +171,10 @@ class PrefixTree(Completions):
         rows_per_prompt = cfg.tree_prefixes * cfg.group_size
         extra = plan.extra_bytes
         if self.backend == "llama.cpp":
-            from localrl.generation.llama_rollout import MAX_SEQUENCES
             from localrl.memory import ModelShape, llama_bytes
 
             extra = llama_bytes(ModelShape.from_config(info.config),
-                                min(cfg.prompts_per_step * rows_per_prompt, MAX_SEQUENCES),
+                                cfg.prompts_per_step * rows_per_prompt,
                                 self.longest + cfg.max_new_tokens)
         why = f"{plan.why}; {cfg.tree_prefixes} teacher prefixes a prompt, each completed {cfg.group_size} times"
         return Plan(self.longest, cfg.max_new_tokens, plan.backend, why, extra, rows_per_prompt)
