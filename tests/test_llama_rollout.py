@@ -40,6 +40,28 @@ def test_greedy_groups_equal_torchs(setup):
     assert "<answer>" in tok.decode(ours[0])
 
 
+def test_rows_that_stop_leave_the_rest_decoded_in_consecutive_sequences_with_torchs_tokens(tiny, monkeypatch):
+    """llama.cpp computes each run of consecutive sequence ids in a batch apart: the live rows' caches move down
+    into the streams that stopped rows leave, and every completion stays torch's greedy one."""
+    model, tok, gguf = tiny
+    prompts = encode_prompts(tok, load_task("arith", eval_size=12).held_out)
+    stops = stop_token_ids(tok, model)
+    sampler = LlamaCppSampler(gguf, max_rows=12, max_tokens=max(map(len, prompts)) + 40)
+    seen, decode = [], sampler._decode
+    monkeypatch.setattr(sampler, "_decode", lambda batch, entries: (seen.append([e[2] for e in entries]),
+                                                                     decode(batch, entries)))
+    try:
+        ours = sampler.sample_groups(prompts, 1, 40, stops, temperature=0.0).tokens
+    finally:
+        sampler.close()
+    rollout = sample_groups(model, prompts, 1, 40, stops, tok.pad_token_id, temperature=0.0)
+    assert ours == [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    steps = [seqs for seqs in seen if len(set(seqs)) == len(seqs)]  # one token a row: the decodes after the prompts
+    assert steps and all(seqs == list(range(len(seqs))) for seqs in steps)
+    live = [{r for r, row in enumerate(ours) if len(row) > t + 1} for t in range(40)]
+    assert any(rows and rows != set(range(len(rows))) for rows in live)  # some row's cache had to move
+
+
 def test_a_seed_gives_the_same_completions_and_another_seed_others(setup):
     _, tok, prompts, sampler = setup
     first = sampler.sample_groups(prompts, 4, 40, [], temperature=1.0, seed=3).tokens

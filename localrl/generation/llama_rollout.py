@@ -124,6 +124,7 @@ class LlamaCppSampler:
             for first, i in zip(firsts, last):
                 logits[first:first + group_size] = self._logits(i)
             positions = np.repeat([len(p) for p in prompts], group_size)
+            streams = np.arange(rows)  # the sequence (llama.cpp's stream) holding each row's cache
             out: list[list[int]] = [[] for _ in range(rows)]
             logps: list[list[float]] = [[] for _ in range(rows)]
             live = np.ones(rows, dtype=bool)
@@ -140,13 +141,31 @@ class LlamaCppSampler:
                     break
                 going = live[order]
                 order, tokens = order[going], tokens[going]
-                self._decode(batch, [(t, int(positions[r]), int(r), True) for r, t in zip(order, tokens.tolist())])
+                self._compact(memory, streams, live)
+                by_stream = np.argsort(streams[order])
+                order, tokens = order[by_stream], tokens[by_stream]
+                self._decode(batch, [(t, int(positions[r]), int(streams[r]), True)
+                                     for r, t in zip(order, tokens.tolist())])
                 positions[order] += 1
                 for i, r in enumerate(order):
                     logits[r] = self._logits(i)
             return Samples(out, logps)
         finally:
             lib.llama_batch_free(batch)
+
+    def _compact(self, memory, streams: np.ndarray, live: np.ndarray) -> None:
+        """Move the caches of the ``live`` rows into the lowest streams (``streams``, per row, updated), so that
+        a decode's sequences are consecutive. llama.cpp splits a batch over separate streams at every gap in
+        its sequence ids (``split_equal``, sequential) and computes each run of consecutive ids as a batch of
+        its own (2026-12-07, SmolLM2-135M: 128 rows, every other sequence, decoded in 2.67 s against 0.36 s
+        for 128 consecutive ones); the rows that stopped leave those gaps."""
+        held = streams[live]
+        movers = np.flatnonzero(live & (streams >= len(held)))
+        free = np.setdiff1d(np.arange(len(held)), held)  # as many as the movers
+        for r, to in zip(movers, free.tolist()):
+            self.lib.llama_memory_seq_cp(memory, int(streams[r]), to, -1, -1)  # the whole stream, before the next decode
+            self.lib.llama_memory_seq_rm(memory, int(streams[r]), -1, -1)
+            streams[r] = to
 
     def _decode(self, batch, entries: list[tuple[int, int, int, bool]]) -> None:
         """Decode (token, position, sequence, wants logits) entries in one call."""
