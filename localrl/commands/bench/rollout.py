@@ -31,6 +31,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("bench rollout: need --prompts, --group and --completion-len >= 1")
     check_model(model)
     print(f"rollout benchmark: {b} prompts x G={g} completions x R={r} tokens of {model}, cpu, "
-          f"sampled at temperature 1 with no stop token")
+          f"sampled at temperature 1 with no stop token (the last row: with the model's own)")
     print_json(args, bench_rollout(model, b, g, r))
     return 0
