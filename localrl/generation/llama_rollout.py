@@ -163,7 +163,7 @@ class LlamaCppSampler:
         movers = np.flatnonzero(live & (streams >= len(held)))
         free = np.setdiff1d(np.arange(len(held)), held)  # as many as the movers
         for r, to in zip(movers, free.tolist()):
-            self.lib.llama_memory_seq_cp(memory, int(streams[r]), to, -1, -1)  # the whole stream, before the next decode
+            self.lib.llama_memory_seq_cp(memory, int(streams[r]), to, -1, -1)  # whole stream, at the next decode
             self.lib.llama_memory_seq_rm(memory, int(streams[r]), -1, -1)
             streams[r] = to
 
