@@ -160,6 +160,7 @@ def test_a_context_holds_the_cells_the_planner_counts_each_sequence_padded_as_ll
     """256 sequences of 40 tokens take 256 cells each in llama.cpp (one stream a sequence): 6.4x the cells
     asked for, resident as soon as the context exists; keys in f16, values in q8_0 where a head is 32 wide
     (the built-in model) and in f16 where it is 16 (a tiny Llama)."""
+    from localrl.heap import collect
     from localrl.memory import ModelShape, llama_cells, llama_kv_bytes, resident_bytes
 
     assert llama_cells(256, 40) == 256 * 256 and llama_cells(8, 160) == 2048
@@ -171,6 +172,7 @@ def test_a_context_holds_the_cells_the_planner_counts_each_sequence_padded_as_ll
         kv = llama_kv_bytes(shape, 256, 40)
         f16 = shape.kv_bytes(llama_cells(256, 40))
         assert (kv < 0.8 * f16) if values == "q8_0" else (kv == f16)
+        collect()  # the heap's free pages (this worker's earlier tests, the context before) handed back first
         before = resident_bytes("RssAnon")
         sampler = LlamaCppSampler(gguf, 256, 40)
         grown = resident_bytes("RssAnon") - before
