@@ -188,7 +188,7 @@ def test_bench_rollout_tiny(builtin_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json_line(proc.stdout)
     assert [r["backend"] for r in rows] == ["torch, 4-bit NF4 base", "torch, full-precision base",
-                                            "llama.cpp, batched (f16 GGUF, q8_0 values)", "  the same, rows stopping"]
+                                            "llama.cpp, batched (f16 GGUF, q8_0 values)", "llama.cpp, rows stopping"]
     assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 for r in rows[:3])
     assert 2 <= rows[3]["tokens"] <= 8 and rows[3]["tokens_per_s"] > 0  # every row makes a token, its stop at most
     assert "ratios to torch 4-bit:" in proc.stdout

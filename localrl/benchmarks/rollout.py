@@ -58,7 +58,7 @@ def bench_rollout(model: str, prompts: int = 2, group: int = 8, completion_len: 
             record("llama.cpp, batched (f16 GGUF, q8_0 values)", time.perf_counter() - t0)
             t0 = time.perf_counter()
             made = sampler.sample_groups(ids, group, completion_len, stops, 1.0, seed=0).tokens
-            record("  the same, rows stopping", time.perf_counter() - t0, sum(map(len, made)))
+            record("llama.cpp, rows stopping", time.perf_counter() - t0, sum(map(len, made)))
         finally:
             sampler.close()
     base = results[0]["tokens_per_s"]
