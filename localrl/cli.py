@@ -7,7 +7,7 @@ checks and output live there). Nothing here a user could not call from Python.
     localrl export SOURCE --out FILE.gguf [--quant q8_0] [--no-check] [--ollama NAME]
     localrl serve FILE.gguf [--host H] [--port P] [--api-key-file F] | localrl chat FILE.gguf|RUN_DIR|MODEL [--experience RUN_DIR]
     localrl tui [--attach RUN_DIR] [--model SOURCE] [--workdir DIR]
-    localrl baselines pong [--quick] [--out DIR] [--steps N] [--seeds N] [--eval-points N]
+    localrl baselines pong [--quick] [--agent jepa] [--out DIR] [--steps N] [--seeds N] [--eval-points N] [--workers N]
     localrl plan --model M --group G --prompt-len P --completion-len R --budget 12GB
     localrl analyze RUN_DIR [RUN_DIR ...] [--metric reward_mean] [--compute tokens|steps|seconds] [--out F.png]
     localrl bench prompt-cache | grpo-step | export | rollout | agent-step | distributed | memory | approvals | world

@@ -145,7 +145,10 @@ def test_plan_and_baselines_bad_numbers_are_one_line(audit_dir, capsys):
     assert one_line(capsys, "plan", "--prompt-len", "1000000000000", "--completion-len", "10") == (  # (53,599,476 GiB)
         "localrl: error: plan: --prompt-len 1000000000000 and --completion-len 10 make 1000000000010 tokens; "
         "tiny-arith holds 256")
-    assert "--steps must be at least 1" in one_line(capsys, "baselines", "pong", "--steps", "0")
+    assert "--steps must be at least 16 (one step of each of the 16 games; got 15)" in one_line(
+        capsys, "baselines", "pong", "--steps", "15")
+    assert "--workers must be at least 1" in one_line(capsys, "baselines", "pong", "--workers", "0")
+    assert "unknown choice 'dreamer'" in one_line(capsys, "baselines", "pong", "--agent", "dreamer")
 
 
 # -- resume ------------------------------------------------------------------------------------
