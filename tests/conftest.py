@@ -32,19 +32,6 @@ from tests.helpers import ARCH_CONFIGS, make_tiny_model  # noqa: E402 (after the
 WORKER_MEMORY = 5 << 30  # the most one test's processes hold at once (a real model's step and its export: ~4 GiB)
 
 
-# The files that take longest (seconds of a fresh clone's run on 2 workers, docs/testing.md), handed out first. A
-# worker takes its next file when it has two tests left (`--dist loadfile`, with xdist's own reordering off in
-# pyproject.toml), so the suite ends when the last file handed out does: longest first keeps that file a short one.
-LONGEST_FIRST = ("test_real.py", "test_distributed.py", "test_sandbox.py", "test_bench.py", "test_train.py",
-                 "test_calibration.py", "test_agent_train.py", "test_budget.py", "test_markovian.py",
-                 "test_self_play.py", "test_dpo.py", "test_trackers.py", "test_memory.py", "test_tui.py", "test_ppo.py")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests stay together, in order
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker a core, as many as the memory available holds."""
     try:
