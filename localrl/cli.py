@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 from localrl.commands import analyze, baselines, bench, config_fields, export, main_rank, models, plan, \
-    quiet_libraries, serving, train
+    quiet_libraries, serving, steer, train
 from localrl.commands import eval as eval_command
 from localrl.commands.eval import EVAL_FIELDS
 from localrl.config_io import flag_name, split_overrides
@@ -32,7 +32,7 @@ from localrl.heap import preload_allocator, return_freed_memory
 
 # commands whose flags include config fields (None: all of them), split from the rest before argparse reads those
 FIELD_COMMANDS = {"train": None, "sft": None, "eval": EVAL_FIELDS}
-COMMANDS = (train, eval_command, export, serving, analyze, baselines, plan, bench, models)  # each adds its own parsers
+COMMANDS = (train, eval_command, steer, export, serving, analyze, baselines, plan, bench, models)  # each adds its own parsers
 
 
 def command_fields(command: str, argv: list[str] = ()) -> list[str]:

@@ -33,12 +33,14 @@ def columns_of(rows: list[dict], repeat: int = 1) -> dict[str, list]:
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: list[float],
              max_new_tokens: int, batch_size: int = 64, progress: Callable[[int, int], None] | None = None,
-             system: str | None = None, samples: int = 0, generate: Generate | None = None) -> dict:
+             system: str | None = None, samples: int = 0, generate: Generate | None = None,
+             per_row: bool = False) -> dict:
     """Greedy pass@1 over ``rows`` (each given the ``system`` message, if any); ``progress(done, total)`` at
     each batch's start and, within a batch, as its items are decoded (``item_progress``: at most once a
     second). With ``samples``, the first few completions come back too,
     each with its prompt, reference answer and rewards, so a user can see why a model scores as it does.
-    ``generate``: who decodes (training passes its llama.cpp sampler); by default the torch model does."""
+    ``generate``: who decodes (training passes its llama.cpp sampler); by default the torch model does. With
+    ``per_row``, ``correct`` lists each row's 0 or 1 (for paired comparisons of two models on the same rows)."""
     was_training = model.training
     model.eval()
     items = item_progress(progress)  # within a batch: at most once a second; each batch's start always
@@ -75,4 +77,6 @@ def evaluate(model, tok, rows: list[dict], rewards: list[RewardFn], weights: lis
     calibration = calibration_summary(all_texts, correct)
     if calibration is not None:
         out.update({k if k != "stated" else "confidence_stated": v for k, v in calibration.items()})
+    if per_row:
+        out["correct"] = correct
     return {**out, "samples": shown} if samples else out
